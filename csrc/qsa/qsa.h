@@ -1,0 +1,86 @@
+// QSA kernels: torch-free interface (pointers, sizes, strides, cudaStream_t -> cudaError_t).
+//
+// The Python layer validates every argument against the contract before it calls in here;
+// these entry points only launch. Every launch is followed by cudaGetLastError() and the
+// first error is returned. Grid sizes depend on the shapes only, nothing is read back to the
+// host, and nothing is allocated: the entry points are safe inside CUDA-graph capture.
+//
+// Contract constants come from the build (-DQSA_...=N, one authoritative list in
+// build_targets.py); the kernels refuse to compile without them.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#if !defined(QSA_TOKEN_TOPK) || !defined(QSA_COMPRESS_RATIO) || !defined(QSA_BLOCK_TOPK) ||   \
+    !defined(QSA_TAIL) || !defined(QSA_WIDTH) || !defined(QSA_KV_PAGE) || !defined(QSA_CK_PAGE) || \
+    !defined(QSA_ATTN_HEADS) || !defined(QSA_HEAD_DIM) || !defined(QSA_INDEX_HEADS) ||         \
+    !defined(QSA_INDEX_DIM)
+#error "QSA contract macros missing: build through setup.py (build_targets.py owns the -D list)"
+#endif
+
+namespace qsa {
+
+// ---------------------------------------------------------------------------------------------
+// Selection: select_paged_tokens
+// ---------------------------------------------------------------------------------------------
+struct SelectParams {
+  const void* q;                  // [R, 4, 128] float16, contiguous
+  const void* compressed_keys;    // [P, 128, 1, 128] float16, contiguous
+  const int32_t* page_table;      // [B, M] int32, row stride page_table_stride
+  const int32_t* token_to_req;    // [R] int32
+  const int64_t* query_positions; // [R] int64
+  const int32_t* sequence_lengths;// [B] int32
+  int32_t* out;                   // [R, 2051] int32, row stride out_stride
+  int64_t rows;                   // R
+  int64_t requests;               // B
+  int64_t table_width;            // M
+  int64_t pages;                  // P
+  int64_t page_table_stride;      // elements between page_table rows (M when contiguous)
+  int64_t out_stride;             // elements between out rows (2051 when contiguous)
+  void* workspace;                // >= select_workspace_bytes(rows, table_width) bytes
+  size_t workspace_bytes;
+};
+
+// Bytes of scratch the selection needs: one uint32 score key per candidate block of a group
+// of rows (rows are processed in groups so that the scratch stays bounded).
+size_t select_workspace_bytes(int64_t rows, int64_t table_width);
+// Number of kernel launches one call makes (2 per row group; 0 when rows == 0).
+int64_t select_launch_count(int64_t rows, int64_t table_width);
+cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------------
+// Sparse attention: sparse_paged_attention over the exact-packed FP16 cache
+// ---------------------------------------------------------------------------------------------
+struct AttentionParams {
+  const void* q;                   // [R, 3, 256] float16, contiguous
+  const void* kv;                  // exact-packed [P, 512, 512] float16: per token 256 K then 256 V
+  const int32_t* logical_indices;  // [R, 2051] int32, row stride indices_stride
+  const int32_t* page_table;       // [B, M] int32, row stride page_table_stride
+  const int32_t* token_to_req;     // [R] int32
+  void* out;                       // [R, 3, 256] float16, contiguous
+  int64_t rows;                    // R
+  int64_t requests;                // B
+  int64_t table_width;             // M
+  int64_t pages;                   // P
+  int64_t indices_stride;          // elements between logical_indices rows
+  int64_t page_table_stride;       // elements between page_table rows
+  float softmax_scale;
+  void* workspace;                 // >= attention_workspace_bytes(rows, ...) bytes
+  size_t workspace_bytes;
+  int32_t* counters;               // >= attention_counter_slots() int32, zero on first use;
+                                   // every call leaves them zero again
+};
+
+// How many CTAs share one row (the split of the 2051 columns); 1 for large R.
+int attention_splits(int64_t rows, int device);
+// Scratch for the per-split partial results (0 when splits == 1).
+size_t attention_workspace_bytes(int64_t rows, int device);
+// Row-completion counters the last-CTA merge needs.
+int64_t attention_counter_slots();
+int64_t attention_launch_count(int64_t rows);
+cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream);
+
+}  // namespace qsa

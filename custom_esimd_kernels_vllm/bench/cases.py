@@ -1,0 +1,271 @@
+"""Benchmark cases: the grid (what is measured) and the input builders (what is fed).
+
+Two groups of cases:
+
+* ``seed``: the shapes the original SYCL change reported — attention at R=1 with valid widths
+  32, 1024 and 2051, and selection "cross-page tail" (519 visible tokens = 129 blocks + 3 tail
+  tokens) and "P8192 saturated" (a pool of 8,192 physical pages; 9,215 visible tokens =
+  2,303 blocks, so the 2,051-wide row is full).
+* ``scale``: rows R in {1, 8, 64, 256} times context C in {8K, 32K, 128K} tokens, for both
+  operators. Each row is one decode request (B = R) whose query sees all C tokens. For
+  attention every row lists 2,051 distinct valid tokens drawn from its C tokens, so C only
+  changes the page table (M = C / 512 pages per request) and the pool size; for selection C
+  is the work: C / 4 blocks are scored per row.
+
+Inputs are random (float16 normal values, random page tables), made on the target device with
+a seeded generator so that every run measures the same data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..qsa_ops.contract import (
+    ATTN_HEADS,
+    CK_PAGE,
+    COMPRESS_RATIO,
+    HEAD_DIM,
+    INDEX_DIM,
+    INDEX_HEADS,
+    KV_PAGE,
+    V_OFFSET,
+    WIDTH,
+)
+
+ATTENTION = "attention"
+SELECTION = "selection"
+OPS = (ATTENTION, SELECTION)
+
+SCALE_ROWS = (1, 8, 64, 256)
+SCALE_CONTEXTS = (8 * 1024, 32 * 1024, 128 * 1024)
+
+# NOTES: attention pages are 512 KiB (512 tokens x 1 KiB). One distinct page per request page
+# would need 32 GiB at R=256 x 128K; the pool is capped at 4,096 pages (2 GiB) and requests
+# then share physical pages at random. The selected tokens of one call (R x 2,051 KiB, at
+# most 513 MiB) still land on random pages, so the cap changes neither the bytes a kernel
+# must read nor its access pattern.
+ATTENTION_POOL_CAP = 4096
+SEED_ATTENTION_CONTEXT = 8 * 1024  # 16 pages: the seed widths spread over several pages
+SEED_P8192_POOL = 8192
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    """One benchmark case. ``context`` is the number of tokens each request has (attention:
+    the span of its page table; selection: the tokens its query sees)."""
+
+    op: str
+    group: str  # "seed" | "scale" | "quick"
+    name: str
+    rows: int
+    context: int
+    width: int = WIDTH  # attention: valid entries per row (the rest are -1 holes)
+    pool_pages: int | None = None  # physical pages P; None = derived (see builders)
+    profile: bool = False  # capture the profiler counts on this case
+
+    @property
+    def key(self) -> str:
+        return f"{self.op}/{self.name}"
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "op": self.op,
+            "group": self.group,
+            "name": self.name,
+            "rows": self.rows,
+            "context": self.context,
+            "width": self.width,
+            "pool_pages": self.pool_pages,
+            "profile": self.profile,
+        }
+
+
+def _ctx_label(tokens: int) -> str:
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
+
+
+def seed_cases() -> list[CaseSpec]:
+    attention = [
+        CaseSpec(
+            ATTENTION, "seed", f"seed R=1 width {w}", 1, SEED_ATTENTION_CONTEXT, width=w,
+            profile=(w == WIDTH),
+        )
+        for w in (32, 1024, WIDTH)
+    ]  # fmt: skip
+    selection = [
+        CaseSpec(SELECTION, "seed", "seed cross-page tail (129 blocks / 519 tokens)", 1, 519),
+        CaseSpec(
+            SELECTION, "seed", "seed P8192 saturated (2303 blocks / 2051 tokens)", 1,
+            2303 * COMPRESS_RATIO + 3, pool_pages=SEED_P8192_POOL, profile=True,
+        ),
+    ]  # fmt: skip
+    return attention + selection
+
+
+def scale_cases(
+    rows: tuple[int, ...] = SCALE_ROWS, contexts: tuple[int, ...] = SCALE_CONTEXTS
+) -> list[CaseSpec]:
+    return [
+        CaseSpec(op, "scale", f"R={r} ctx={_ctx_label(c)}", r, c)
+        for op in OPS
+        for r in rows
+        for c in contexts
+    ]
+
+
+def quick_cases() -> list[CaseSpec]:
+    """A tiny grid for the CPU reference (CI proves the harness): two rows, two contexts."""
+    return [
+        CaseSpec(ATTENTION, "quick", "seed R=1 width 32", 1, 4096, width=32),
+        CaseSpec(SELECTION, "quick", "seed cross-page tail (129 blocks / 519 tokens)", 1, 519),
+    ] + [
+        CaseSpec(op, "quick", f"R={r} ctx={_ctx_label(c)}", r, c, profile=(r == 1 and c == 4096))
+        for op in OPS
+        for r in (1, 2)
+        for c in (4096, 8192)
+    ]
+
+
+GRIDS = {
+    "default": lambda: seed_cases() + scale_cases(),
+    "seed": seed_cases,
+    "scale": scale_cases,
+    "quick": quick_cases,
+}
+
+
+def grid(name: str, ops: tuple[str, ...] = OPS) -> list[CaseSpec]:
+    if name not in GRIDS:
+        raise ValueError(f"grid must be one of {', '.join(GRIDS)}, got {name!r}")
+    bad = [op for op in ops if op not in OPS]
+    if bad:
+        raise ValueError(f"ops must be among {', '.join(OPS)}, got {', '.join(bad)}")
+    return [c for c in GRIDS[name]() if c.op in ops]
+
+
+# ----------------------------------------------------------------------------------------
+# builders
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class CaseInputs:
+    """The arguments of one call (names as in the operator signatures) plus the pool: the
+    physical page buffer that rotation tiles (``kv`` [P, 512, 512] for attention, the
+    compressed-key cache [P, 128, 1, 128] for selection)."""
+
+    op: str
+    tensors: dict[str, torch.Tensor]
+    pool_name: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def pool(self) -> torch.Tensor:
+        return self.tensors[self.pool_name]
+
+    @property
+    def pages(self) -> int:
+        return self.pool.shape[0]
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def packed_kv_views(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact-packed K and V views [P, 512, 1, 256] of a [P, 512, 512] buffer."""
+    pages = kv.shape[0]
+    shape = (pages, KV_PAGE, 1, HEAD_DIM)
+    strides = (KV_PAGE * 2 * HEAD_DIM, 2 * HEAD_DIM, HEAD_DIM, 1)
+    base = kv.storage_offset()
+    k = kv.as_strided(shape, strides, base)
+    v = kv.as_strided(shape, strides, base + V_OFFSET)
+    return k, v
+
+
+def random_page_table(
+    requests: int, pages_per_request: int, pool_pages: int, g: torch.Generator, device
+) -> torch.Tensor:
+    """[B, M] int32; pages are distinct within a request, and across requests too when the
+    pool has room (otherwise requests share pages at random)."""
+    if requests * pages_per_request <= pool_pages:
+        perm = torch.randperm(pool_pages, generator=g, device=device)
+        table = perm[: requests * pages_per_request].view(requests, pages_per_request)
+    else:
+        keys = torch.rand(requests, pool_pages, generator=g, device=device)
+        table = keys.argsort(dim=1)[:, :pages_per_request]
+    return table.to(torch.int32).contiguous()
+
+
+def random_distinct_tokens(
+    rows: int, count: int, context: int, g: torch.Generator, device
+) -> torch.Tensor:
+    """[rows, count] int64: ``count`` distinct token positions of [0, context) per row, in
+    random order (as the selection emits them: score order, not position order)."""
+    if count > context:
+        raise ValueError(f"cannot draw {count} distinct tokens from a context of {context}")
+    parts = []
+    step = max(1, (1 << 24) // max(1, context))  # bound the [rows, context] temporary
+    for start in range(0, rows, step):
+        n = min(rows, start + step) - start
+        keys = torch.rand(n, context, generator=g, device=device)
+        parts.append(keys.argsort(dim=1)[:, :count])
+    return torch.cat(parts) if parts else torch.empty(0, count, dtype=torch.long, device=device)
+
+
+def _pages_for(tokens: int) -> int:
+    return max(1, -(-tokens // KV_PAGE))
+
+
+def build_attention(spec: CaseSpec, device: torch.device, seed: int = 0) -> CaseInputs:
+    g = _generator(device, seed)
+    rows, requests = spec.rows, spec.rows
+    pages_per_request = _pages_for(spec.context)
+    pool = spec.pool_pages or min(requests * pages_per_request, ATTENTION_POOL_CAP)
+    pool = max(pool, pages_per_request)
+    half = torch.float16
+    kv = torch.randn(pool, KV_PAGE, 2 * HEAD_DIM, generator=g, device=device, dtype=half)
+    k_cache, v_cache = packed_kv_views(kv)
+    indices = torch.full((rows, WIDTH), -1, dtype=torch.int32, device=device)
+    tokens = random_distinct_tokens(rows, spec.width, spec.context, g, device)
+    indices[:, : spec.width] = tokens.to(torch.int32)
+    tensors = {
+        "q": torch.randn(rows, ATTN_HEADS, HEAD_DIM, generator=g, device=device, dtype=half),
+        "kv": kv,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "logical_indices": indices,
+        "page_table": random_page_table(requests, pages_per_request, pool, g, device),
+        "token_to_req": torch.arange(rows, dtype=torch.int32, device=device),
+        "out": torch.empty(rows, ATTN_HEADS, HEAD_DIM, dtype=half, device=device),
+    }
+    return CaseInputs(ATTENTION, tensors, "kv")
+
+
+def build_selection(spec: CaseSpec, device: torch.device, seed: int = 0) -> CaseInputs:
+    g = _generator(device, seed)
+    rows, requests = spec.rows, spec.rows
+    pages_per_request = _pages_for(spec.context)
+    pool = max(spec.pool_pages or requests * pages_per_request, pages_per_request)
+    half = torch.float16
+    tensors = {
+        "q": torch.randn(rows, INDEX_HEADS, INDEX_DIM, generator=g, device=device, dtype=half),
+        "compressed_key_cache": torch.randn(
+            pool, CK_PAGE, 1, INDEX_DIM, generator=g, device=device, dtype=half
+        ),
+        "page_table": random_page_table(requests, pages_per_request, pool, g, device),
+        "token_to_req": torch.arange(rows, dtype=torch.int32, device=device),
+        "query_positions": torch.full((rows,), spec.context - 1, dtype=torch.int64, device=device),
+        "sequence_lengths": torch.full((requests,), spec.context, dtype=torch.int32, device=device),
+        "out": torch.empty(rows, WIDTH, dtype=torch.int32, device=device),
+    }
+    return CaseInputs(SELECTION, tensors, "compressed_key_cache")
+
+
+def build(spec: CaseSpec, device: torch.device, seed: int = 0) -> CaseInputs:
+    builder = build_attention if spec.op == ATTENTION else build_selection
+    return builder(spec, torch.device(device), seed)

@@ -1,0 +1,235 @@
+"""Build provenance: what went into the compiled module, and which file is actually loaded.
+
+The pipeline's ``build`` step writes a manifest (``dist/provenance.json``) and the wheel carries
+it inside the package as ``custom_esimd_kernels_vllm/provenance.json``. It records the target,
+the toolchain versions, flags and macros, the SHA256 of every source file, the git commit and
+dirty flag, and the path and SHA256 of the compiled module (the DSO).
+
+At run time this module answers one question: *is the DSO this process loaded the one the
+manifest describes?* ::
+
+    from custom_esimd_kernels_vllm.qsa_ops import provenance
+    provenance.loaded_dso()      # {"path": ..., "sha256": ...} of the imported _qsa_cuda file
+    provenance.read_manifest()   # the shipped manifest, or None in a source checkout
+    provenance.check()           # raises ProvenanceError on any mismatch
+
+    python -m custom_esimd_kernels_vllm.qsa_ops.provenance [--check]
+
+The build-time half (:func:`source_digests`, :func:`git_state`, :func:`tool_version`,
+:func:`make_manifest`) uses only the standard library; it takes the target's fields as plain
+arguments so that the installed package never imports the repository's ``build_targets.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import platform
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+PACKAGE = "custom_esimd_kernels_vllm"
+DSO_MODULE = f"{PACKAGE}._qsa_cuda"
+MANIFEST_NAME = "provenance.json"
+SCHEMA = 1
+
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
+
+
+class ProvenanceError(RuntimeError):
+    """The loaded DSO, the manifest and the file on disk do not agree."""
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# Run time
+# --------------------------------------------------------------------------------------------
+
+
+def manifest_path() -> Path:
+    return _PACKAGE_DIR / MANIFEST_NAME
+
+
+def read_manifest() -> dict[str, Any] | None:
+    """The manifest shipped inside the installed package, or None (e.g. a source checkout)."""
+    path = manifest_path()
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def loaded_dso() -> dict[str, Any]:
+    """Path and SHA256 of the compiled module file this process imports.
+
+    Raises ImportError (with the loader's reason) when the module cannot be imported; the DSO is
+    torch-free and links the CUDA runtime statically, so importing it needs no GPU.
+    """
+    module = sys.modules.get(DSO_MODULE) or importlib.import_module(DSO_MODULE)
+    path = Path(module.__file__).resolve()
+    return {"module": DSO_MODULE, "path": str(path), "sha256": sha256_file(path)}
+
+
+def check() -> dict[str, Any]:
+    """Verify that the loaded DSO is the one the shipped manifest names; return the evidence.
+
+    Compares the SHA256 of the imported module file with ``manifest["dso"]["sha256"]`` and
+    checks that the file name matches. Raises ProvenanceError on a mismatch or a missing
+    manifest, ImportError when the DSO does not load.
+    """
+    manifest = read_manifest()
+    if manifest is None:
+        raise ProvenanceError(
+            f"no {MANIFEST_NAME} in {_PACKAGE_DIR}: this installation was not built by the "
+            "pipeline (nox -s build wheel), so its DSO has no recorded provenance"
+        )
+    dso = loaded_dso()
+    expected = manifest["dso"]
+    if Path(dso["path"]).name != Path(expected["path"]).name:
+        raise ProvenanceError(
+            f"loaded DSO {dso['path']} is not the file the manifest names ({expected['path']})"
+        )
+    if dso["sha256"] != expected["sha256"]:
+        raise ProvenanceError(
+            f"loaded DSO {dso['path']} has SHA256 {dso['sha256']}, "
+            f"manifest says {expected['sha256']} (built from commit "
+            f"{manifest.get('git', {}).get('commit')})"
+        )
+    return {"dso": dso, "manifest_dso": expected, "target": manifest["target"]["name"]}
+
+
+def summary() -> dict[str, Any]:
+    """A JSON-able report that never raises: manifest fields, loaded DSO, and whether they match."""
+    out: dict[str, Any] = {"manifest": None, "dso": None, "matches_manifest": None}
+    manifest = read_manifest()
+    if manifest is not None:
+        out["manifest"] = {
+            "target": manifest["target"]["name"],
+            "git": manifest.get("git"),
+            "dso": manifest["dso"],
+        }
+    try:
+        out["dso"] = loaded_dso()
+    except ImportError as exc:
+        out["dso_error"] = f"{type(exc).__name__}: {exc}"
+    if out["manifest"] is not None and out["dso"] is not None:
+        out["matches_manifest"] = out["dso"]["sha256"] == manifest["dso"]["sha256"]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Build time
+# --------------------------------------------------------------------------------------------
+
+
+def source_digests(root: Path, paths: Iterable[str | Path]) -> dict[str, str]:
+    """``{relative path: sha256}`` for every file under the given paths (files or directories),
+    sorted, skipping caches; paths are relative to ``root`` with forward slashes."""
+    root = Path(root)
+    files: set[Path] = set()
+    for entry in paths:
+        p = root / entry
+        if p.is_dir():
+            files.update(f for f in p.rglob("*") if f.is_file() and "__pycache__" not in f.parts)
+        elif p.is_file():
+            files.add(p)
+        else:
+            raise FileNotFoundError(f"provenance source {entry!r} does not exist under {root}")
+    return {f.relative_to(root).as_posix(): sha256_file(f) for f in sorted(files)}
+
+
+def git_state(root: Path) -> dict[str, Any]:
+    """Commit and dirty flag of the checkout at ``root`` (``commit: None`` outside git)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=root, check=True, capture_output=True, text=True
+        ).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        changes = git("status", "--porcelain", "--untracked-files=normal")
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return {"commit": None, "dirty": None, "note": f"not a git checkout: {exc}"}
+    dirty_paths = [line[3:] for line in changes.splitlines()]
+    return {"commit": commit, "dirty": bool(dirty_paths), "dirty_paths": dirty_paths}
+
+
+def tool_version(argv: Sequence[str]) -> str:
+    """The version line of a tool (last non-empty line of ``argv`` output for nvcc-style
+    banners, first line otherwise); raises FileNotFoundError when the tool is absent."""
+    res = subprocess.run(list(argv), check=True, capture_output=True, text=True)
+    lines = [ln.strip() for ln in (res.stdout or res.stderr).splitlines() if ln.strip()]
+    release = [ln for ln in lines if "release" in ln]
+    return release[0] if release else lines[0]
+
+
+def make_manifest(
+    *,
+    target: Mapping[str, Any],
+    toolchain: Mapping[str, str],
+    sources: Mapping[str, str],
+    git: Mapping[str, Any],
+    dso_path: Path,
+    root: Path,
+    build: Mapping[str, Any],
+    version: str,
+) -> dict[str, Any]:
+    """Assemble the manifest written to ``dist/provenance.json`` and shipped in the wheel."""
+    dso_path = Path(dso_path)
+    rel = dso_path.resolve().relative_to(Path(root).resolve()).as_posix()
+    aggregate = hashlib.sha256(
+        "".join(f"{sha}  {name}\n" for name, sha in sorted(sources.items())).encode()
+    ).hexdigest()
+    return {
+        "schema": SCHEMA,
+        "package": PACKAGE.replace("_", "-"),
+        "version": version,
+        "target": dict(target),
+        "toolchain": dict(toolchain),
+        "build": dict(build),
+        "host": {"machine": platform.machine(), "system": platform.system()},
+        "git": dict(git),
+        "sources": dict(sorted(sources.items())),
+        "sources_sha256": aggregate,
+        "dso": {"path": rel, "sha256": sha256_file(dso_path), "size": dso_path.stat().st_size},
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m custom_esimd_kernels_vllm.qsa_ops.provenance",
+        description="Print the build provenance of the installed QSA kernels.",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 unless the loaded DSO's SHA256 equals the shipped manifest's",
+    )
+    args = parser.parse_args(argv)
+    if not args.check:
+        print(json.dumps(summary(), indent=2))
+        return 0
+    try:
+        evidence = check()
+    except (ProvenanceError, ImportError) as exc:
+        print(f"provenance check FAILED: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(evidence, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,190 @@
+"""PyTorch reference of the two QSA operators: the executable specification.
+
+Pure torch, CPU and GPU, and free of host synchronisation: no ``.item()``, ``.tolist()``,
+``.nonzero()``, boolean-mask indexing, data-dependent shapes or Python branches on tensor
+values. Branches and loops below depend on shapes only, so the functions can be captured in
+a CUDA graph and traced by ``torch.compile(fullgraph=True)``.
+
+The functions do not validate their arguments (``qsa_ops`` does that before any backend runs)
+but they never read out of bounds for any *values* of well-shaped arguments: indices are
+clamped for the gather and the result is masked afterwards.
+
+NOTES: dot products are computed as an elementwise float32 product followed by a sum, not
+with ``matmul``: a float32 matmul may run in TF32 (CUDA, ``allow_tf32``) or bf16 (CPU,
+``set_float32_matmul_precision``), which would break the bit-exact selection contract.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .contract import (
+    BLOCK_TOPK,
+    CK_PAGE,
+    COMPRESS_RATIO,
+    HEAD_DIM,
+    INDEX_DIM,
+    INDEX_HEADS,
+    KV_PAGE,
+    SCORE_SCALE,
+    TOKEN_TOPK,
+    WIDTH,
+    resolve_softmax_scale,
+)
+
+# NOTES: rows are processed in chunks so that the largest float32 temporary stays near
+# 2**24 elements (64 MiB): selection over 32K visible tokens (8192 blocks) needs
+# 4 * 8192 * 128 = 4M floats per row, attention 3 * 2051 * 256 = 1.6M floats per row.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _row_chunks(rows: int, elements_per_row: int) -> list[slice]:
+    step = max(1, _CHUNK_ELEMENTS // max(1, elements_per_row))
+    return [slice(start, min(rows, start + step)) for start in range(0, rows, step)]
+
+
+def _request_of_rows(
+    token_to_req: torch.Tensor, num_requests: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid [R] bool, b [R] int64 clamped into [0, B)); requires num_requests > 0."""
+    b = token_to_req.long()
+    valid = (b >= 0) & (b < num_requests)
+    return valid, b.clamp(0, num_requests - 1)
+
+
+def visible_tokens(query_positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """n = clamp(min(position + 1, length), 0), computed as min(position, length - 1) + 1 so
+    that position = INT64_MAX does not overflow (length is int32, so length - 1 fits)."""
+    return (torch.minimum(query_positions, lengths.long() - 1) + 1).clamp_min(0)
+
+
+def block_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Selection scores of blocks, float32.
+
+    q: [C, 4, 128] float16; keys: [C, J, 128] float16 -> [C, J] float32 with
+    score = (((relu(d0) + relu(d1)) + relu(d2)) + relu(d3)) * float32(1/sqrt(128)) + 0.0,
+    d_h = float32 sum over 128 exact float32 products (summation order left to torch: float32
+    sums in another order may differ in the last bit; with small-integer inputs every order is
+    exact). ``+ 0.0`` turns -0.0 into +0.0, so that all zero scores tie.
+    """
+    qf = q.float()
+    kf = keys.float()
+    total = None
+    for h in range(INDEX_HEADS):
+        dots = (qf[:, h, None, :] * kf).sum(dim=-1)  # [C, J]
+        term = torch.relu(dots)
+        total = term if total is None else total + term
+    scale = torch.tensor(SCORE_SCALE, dtype=torch.float32, device=q.device)
+    return total * scale + 0.0
+
+
+def select_paged_tokens_ref(
+    q: torch.Tensor,  # [R, 4, 128] float16
+    compressed_key_cache: torch.Tensor,  # [P, 128, 1, 128] float16
+    page_table: torch.Tensor,  # [B, M] int32
+    token_to_req: torch.Tensor,  # [R] int32
+    query_positions: torch.Tensor,  # [R] int64
+    sequence_lengths: torch.Tensor,  # [B] int32
+    out: torch.Tensor,  # [R, 2051] int32, fully overwritten
+) -> torch.Tensor:
+    """Reference of ``select_paged_tokens`` (contract section 1); writes and returns ``out``."""
+    rows = q.shape[0]
+    pages = compressed_key_cache.shape[0]
+    num_requests, max_pages = page_table.shape
+    if rows == 0:
+        return out
+    if num_requests == 0:
+        return out.fill_(-1)
+    device = q.device
+
+    valid_req, b = _request_of_rows(token_to_req, num_requests)
+    n = torch.where(valid_req, visible_tokens(query_positions, sequence_lengths[b]), 0)
+    nb = n // COMPRESS_RATIO  # visible blocks
+    tail = n - COMPRESS_RATIO * nb  # 0..3 tail tokens
+
+    num_blocks = max_pages * CK_PAGE  # candidate blocks j < M * 128 (others are unusable)
+    chosen = torch.zeros(rows, BLOCK_TOPK, dtype=torch.long, device=device)
+    kb = torch.zeros(rows, dtype=torch.long, device=device)
+    if num_blocks > 0 and pages > 0:
+        keys_flat = compressed_key_cache.view(pages * CK_PAGE, INDEX_DIM)
+        j = torch.arange(num_blocks, device=device)
+        in_page = torch.arange(CK_PAGE, device=device)
+        ninf = torch.tensor(float("-inf"), device=device)
+        for s in _row_chunks(rows, INDEX_HEADS * INDEX_DIM * num_blocks):
+            phys = page_table[b[s]].long()  # [C, M]
+            page_ok = (phys >= 0) & (phys < pages)
+            slot = (phys.clamp(0, pages - 1) * CK_PAGE)[:, :, None] + in_page  # [C, M, 128]
+            keys = keys_flat[slot.reshape(-1, num_blocks)]  # [C, J, 128]
+            score = block_scores(q[s], keys)  # [C, J]
+            usable = page_ok.repeat_interleave(CK_PAGE, dim=1) & (j < nb[s, None])
+            # highest score first, equal scores lower j first: stable descending sort;
+            # unusable blocks sort last (-inf) and are cut off by kb.
+            order = torch.sort(
+                torch.where(usable, score, ninf), dim=1, descending=True, stable=True
+            )
+            take = min(BLOCK_TOPK, num_blocks)
+            chosen[s, :take] = order.indices[:, :take]
+            kb[s] = usable.sum(dim=1).clamp_max(BLOCK_TOPK)
+
+    # out[r] = chosen blocks expanded to 4 tokens, then the tail tokens, then -1
+    cols = torch.arange(WIDTH, device=device)
+    expanded = COMPRESS_RATIO * chosen[:, :, None] + torch.arange(COMPRESS_RATIO, device=device)
+    expanded = torch.nn.functional.pad(expanded.reshape(rows, TOKEN_TOPK), (0, WIDTH - TOKEN_TOPK))
+    n_sel = (COMPRESS_RATIO * kb)[:, None]
+    tail_tokens = COMPRESS_RATIO * nb[:, None] + (cols - n_sel)
+    minus_one = torch.full_like(expanded, -1)
+    result = torch.where(
+        cols < n_sel, expanded, torch.where(cols < n_sel + tail[:, None], tail_tokens, minus_one)
+    )
+    result = torch.where(valid_req[:, None], result, minus_one)
+    return out.copy_(result)
+
+
+def sparse_paged_attention_ref(
+    q: torch.Tensor,  # [R, 3, 256] float16
+    k_cache: torch.Tensor,  # [P, 512, 1, 256] float16, strides (262144, 512, 256, 1)
+    v_cache: torch.Tensor,  # [P, 512, 1, 256] float16, k_cache's storage + 256 elements
+    logical_indices: torch.Tensor,  # [R, 2051] int32, -1 (or any invalid value) = hole
+    page_table: torch.Tensor,  # [B, M] int32
+    token_to_req: torch.Tensor,  # [R] int32
+    out: torch.Tensor,  # [R, 3, 256] float16, fully overwritten
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Reference of ``sparse_paged_attention`` (contract section 2); writes and returns ``out``.
+
+    float32 math, float16 result; a row without any valid entry (or with an invalid request)
+    is written as zeros, never NaN.
+    """
+    scale = resolve_softmax_scale(softmax_scale)
+    rows = q.shape[0]
+    pages = k_cache.shape[0]
+    num_requests, max_pages = page_table.shape
+    if rows == 0:
+        return out
+    if num_requests == 0 or max_pages == 0 or pages == 0:
+        return out.zero_()
+
+    valid_req, b = _request_of_rows(token_to_req, num_requests)
+    idx = logical_indices.long()  # [R, W]
+    logical_page = torch.div(idx, KV_PAGE, rounding_mode="floor")
+    valid = (idx >= 0) & (logical_page < max_pages) & valid_req[:, None]
+    phys = page_table.long()[b[:, None], logical_page.clamp(0, max_pages - 1)]  # [R, W]
+    valid &= (phys >= 0) & (phys < pages)
+    phys = phys.clamp(0, pages - 1)
+    slot = idx.clamp_min(0) % KV_PAGE
+
+    heads = q.shape[1]
+    ninf = torch.tensor(float("-inf"), device=q.device)
+    for s in _row_chunks(rows, heads * WIDTH * HEAD_DIM):
+        keys = k_cache[phys[s], slot[s], 0].float()  # [C, W, 256]
+        values = v_cache[phys[s], slot[s], 0].float()  # [C, W, 256]
+        logits = (q[s].float()[:, :, None, :] * keys[:, None]).sum(dim=-1) * scale  # [C, 3, W]
+        logits = torch.where(valid[s, None, :], logits, ninf)
+        row_max = logits.amax(dim=-1, keepdim=True)
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        weights = torch.exp(logits - row_max)  # exp(-inf) = 0 for holes
+        denom = weights.sum(dim=-1, keepdim=True)  # [C, 3, 1]
+        numer = (weights[:, :, :, None] * values[:, None]).sum(dim=2)  # [C, 3, 256]
+        result = numer / torch.where(denom > 0, denom, torch.ones_like(denom))
+        out[s].copy_(result)
+    return out

@@ -1,0 +1,735 @@
+"""Testing helpers shipped with the package: case builders, poison helpers and independent
+float64 checkers. Used by the CPU and GPU test suites, the benchmark and the vLLM layer.
+
+* ``make_select_case(name, R, device, seed)`` / ``make_attention_case(...)``: the seed cases
+  of the contract (``SELECT_CASES`` / ``ATTENTION_CASES``).
+* ``random_select_case(...)`` / ``random_attention_case(...)``: random generators (holes,
+  duplicates, bad values) used by property tests and the benchmark.
+* ``scale_select_case(...)`` / ``scale_attention_case(...)``: long contexts (8K..128K tokens)
+  with modest memory.
+* ``check_selection(case, out, exact)`` / ``check_attention(case, out)``: float64 checkers
+  written with plain loops over rows, independent of ``qsa_ops.reference``. They raise
+  AssertionError naming the case, the row and the column.
+
+All random data is drawn on the CPU from a seeded generator and then moved to ``device``,
+so a case is identical on every device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from .contract import (
+    ATTN_HEADS,
+    BLOCK_TOPK,
+    CK_PAGE,
+    COMPRESS_RATIO,
+    HEAD_DIM,
+    INDEX_DIM,
+    INDEX_HEADS,
+    KV_PAGE,
+    KV_STRIDES,
+    PACKED_TOKEN_STRIDE,
+    TOKEN_TOPK,
+    V_OFFSET,
+    WIDTH,
+    resolve_softmax_scale,
+)
+
+POISON_INT32 = -7  # never a valid selection output (valid entries are >= -1)
+ATTENTION_TOLERANCE = 2e-3  # contract section 4: ||out - ref|| / ||ref||
+# NOTES: float32 sums of 128 products in another order differ by a few ulp of the largest
+# partial sum; 1e-4 of the largest score covers that with a wide margin (contract section 4).
+SELECTION_TOLERANCE = 1e-4
+
+
+# ----------------------------------------------------------------------------------------
+# cases
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class SelectCase:
+    name: str
+    q: torch.Tensor  # [R, 4, 128] float16
+    compressed_key_cache: torch.Tensor  # [P, 128, 1, 128] float16
+    page_table: torch.Tensor  # [B, M] int32
+    token_to_req: torch.Tensor  # [R] int32
+    query_positions: torch.Tensor  # [R] int64
+    sequence_lengths: torch.Tensor  # [B] int32
+    out: torch.Tensor  # [R, 2051] int32 (poisoned)
+    integer: bool = False  # small-integer data: the output is exactly determined
+
+    def args(self) -> tuple:
+        """Positional arguments of ``qsa_ops.select_paged_tokens``."""
+        return (*self.ref_args()[:-1], TOKEN_TOPK, COMPRESS_RATIO, self.out)
+
+    def ref_args(self) -> tuple:
+        """Positional arguments of ``reference.select_paged_tokens_ref``."""
+        return (
+            self.q,
+            self.compressed_key_cache,
+            self.page_table,
+            self.token_to_req,
+            self.query_positions,
+            self.sequence_lengths,
+            self.out,
+        )
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in ("name", "out", "integer")
+        }
+
+    def new_out(self) -> torch.Tensor:
+        return poison_(torch.empty_like(self.out))
+
+    def __repr__(self) -> str:
+        b, m = self.page_table.shape
+        return (
+            f"SelectCase({self.name}: R={self.q.shape[0]}, B={b}, M={m}, "
+            f"P={self.compressed_key_cache.shape[0]}, integer={self.integer})"
+        )
+
+
+@dataclass
+class AttentionCase:
+    name: str
+    q: torch.Tensor  # [R, 3, 256] float16
+    kv: torch.Tensor  # the exact-packed buffer k_cache/v_cache view (storage owner)
+    k_cache: torch.Tensor  # [P, 512, 1, 256] float16, strides (262144, 512, 256, 1)
+    v_cache: torch.Tensor  # same, storage offset + 256
+    logical_indices: torch.Tensor  # [R, 2051] int32
+    page_table: torch.Tensor  # [B, M] int32
+    token_to_req: torch.Tensor  # [R] int32
+    out: torch.Tensor  # [R, 3, 256] float16 (poisoned)
+    softmax_scale: float | None = None
+
+    def args(self) -> tuple:
+        """Positional arguments of ``qsa_ops.sparse_paged_attention``."""
+        return (
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.logical_indices,
+            self.page_table,
+            self.token_to_req,
+            KV_PAGE,
+            self.out,
+            self.softmax_scale,
+        )
+
+    def ref_args(self) -> tuple:
+        """Positional arguments of ``reference.sparse_paged_attention_ref``."""
+        return (
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.logical_indices,
+            self.page_table,
+            self.token_to_req,
+            self.out,
+            self.softmax_scale,
+        )
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        return {
+            "q": self.q,
+            "kv": self.kv,
+            "logical_indices": self.logical_indices,
+            "page_table": self.page_table,
+            "token_to_req": self.token_to_req,
+        }
+
+    def new_out(self) -> torch.Tensor:
+        return poison_(torch.empty_like(self.out))
+
+    def __repr__(self) -> str:
+        b, m = self.page_table.shape
+        return (
+            f"AttentionCase({self.name}: R={self.q.shape[0]}, B={b}, M={m}, "
+            f"P={self.k_cache.shape[0]})"
+        )
+
+
+# ----------------------------------------------------------------------------------------
+# small helpers
+# ----------------------------------------------------------------------------------------
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` with a value no operator writes: NaN (floating) or POISON_INT32 (integer)."""
+    return t.fill_(float("nan") if t.is_floating_point() else POISON_INT32)
+
+
+def snapshot(case: SelectCase | AttentionCase) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in case.inputs().items()}
+
+
+def assert_inputs_unchanged(
+    case: SelectCase | AttentionCase, before: dict[str, torch.Tensor]
+) -> None:
+    for name, t in case.inputs().items():
+        if not torch.equal(t, before[name]) and not (
+            t.is_floating_point() and torch.equal(t.nan_to_num(7.0), before[name].nan_to_num(7.0))
+        ):
+            raise AssertionError(f"{case!r}: input {name} was modified by the call")
+
+
+def packed_kv(num_pages: int, device, *, dtype=torch.float16, lead: int = 0):
+    """(buffer, k_cache, v_cache): one storage holding ``lead`` spare elements and then
+    [P, 512, 512] exact-packed K/V; ``lead`` > 0 gives k_cache a non-zero storage offset."""
+    buffer = torch.zeros(lead + num_pages * KV_STRIDES[0], dtype=dtype, device=device)
+    shape = (num_pages, KV_PAGE, 1, HEAD_DIM)
+    k_cache = buffer.as_strided(shape, KV_STRIDES, lead)
+    v_cache = buffer.as_strided(shape, KV_STRIDES, lead + V_OFFSET)
+    return buffer, k_cache, v_cache
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _values(shape, gen: torch.Generator, integer: bool, lo: int = -2, hi: int = 2) -> torch.Tensor:
+    """float16 CPU tensor: integers in [lo, hi] (exact mode) or standard normal values."""
+    if integer:
+        return torch.randint(lo, hi + 1, shape, generator=gen).to(torch.float16)
+    return torch.randn(shape, generator=gen).to(torch.float16)
+
+
+def _i32(values, device) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.int32).to(device)
+
+
+def _table(page_table, device) -> torch.Tensor:
+    """[B, M] int32 from a tensor or a non-empty list of rows."""
+    if isinstance(page_table, torch.Tensor):
+        return page_table.to(device=device, dtype=torch.int32).contiguous()
+    return _i32(page_table, device).reshape(len(page_table), -1)
+
+
+def _select_case(
+    name, q, ck, page_table, token_to_req, positions, lengths, device, integer
+) -> SelectCase:
+    rows = q.shape[0]
+    return SelectCase(
+        name=name,
+        q=q.to(device),
+        compressed_key_cache=ck.to(device),
+        page_table=_table(page_table, device),
+        token_to_req=_i32(token_to_req, device).reshape(rows),
+        query_positions=torch.as_tensor(positions, dtype=torch.int64).reshape(rows).to(device),
+        sequence_lengths=_i32(lengths, device).reshape(-1),
+        out=poison_(torch.empty(rows, WIDTH, dtype=torch.int32, device=device)),
+        integer=integer,
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# selection cases (contract section 5)
+# ----------------------------------------------------------------------------------------
+
+# name -> (visible tokens per row, cycled over rows; pages per request M; pages P)
+SELECT_CASES: tuple[str, ...] = (
+    "empty",  # n < 4: tail tokens only
+    "short_tail",  # a few blocks + 3 tail tokens
+    "full_page",  # 128 blocks exactly (one page)
+    "cross_page_tail",  # 129 blocks + 3 tail tokens = 519 tokens over two pages
+    "dup_physical_page",  # two logical pages -> one physical page: exact ties j, j+128
+    "exact_ties",  # integer data with mass ties across the 512 cut
+    "all_zero_scores",  # every dot product negative: all scores 0 after ReLU
+    "p8192_saturated",  # P = 8192, 2303 visible blocks: full width 2051
+    "multi_request",  # rows of three requests, positions past and before the length
+)
+
+
+def make_select_case(
+    name: str, R: int, device="cpu", seed: int = 0, integer: bool = True
+) -> SelectCase:
+    """The seed case ``name`` with ``R`` rows; ``integer`` draws values in {-2..2} so the
+    output is exactly determined (use check_selection(exact=True))."""
+    gen = _gen(seed)
+    q = _values((R, INDEX_HEADS, INDEX_DIM), gen, integer)
+
+    def one_request(n_per_row: Sequence[int], num_pages: int, pages: Sequence[int]):
+        ns = [n_per_row[r % len(n_per_row)] for r in range(R)]
+        ck = _values((num_pages, CK_PAGE, 1, INDEX_DIM), gen, integer)
+        return _select_case(
+            name, q, ck, [list(pages)], [0] * R, [n - 1 for n in ns], [max(ns)], device, integer
+        )
+
+    if name == "empty":
+        return one_request([3, 0, 1, 2], 2, [1])
+    if name == "short_tail":
+        return one_request([23, 14], 2, [1])
+    if name == "full_page":
+        return one_request([512], 3, [2])
+    if name == "cross_page_tail":
+        return one_request([519], 4, [3, 1])
+    if name == "dup_physical_page":
+        return one_request([1024, 700], 4, [2, 2])
+    if name == "exact_ties":
+        # sparse {-1, 0, 1} data: scores take few distinct values, so the 512 cut and the
+        # order inside the cut are decided by the tie rule (lower j first)
+        q = _values((R, INDEX_HEADS, INDEX_DIM), gen, True, -1, 1) * (
+            torch.rand(R, INDEX_HEADS, INDEX_DIM, generator=gen) < 0.05
+        )
+        ck = _values((6, CK_PAGE, 1, INDEX_DIM), gen, True, -1, 1) * (
+            torch.rand(6, CK_PAGE, 1, INDEX_DIM, generator=gen) < 0.05
+        )
+        ns = [4 * 600 + 1, 4 * 513]
+        ns = [ns[r % 2] for r in range(R)]
+        return _select_case(
+            name, q, ck, [[5, 0, 3, 4, 1]], [0] * R, [n - 1 for n in ns], [max(ns)], device, True
+        )
+    if name == "all_zero_scores":
+        q = -_values((R, INDEX_HEADS, INDEX_DIM), gen, True, 1, 2)
+        ck = _values((3, CK_PAGE, 1, INDEX_DIM), gen, True, 1, 2)
+        return _select_case(
+            name, q, ck, [[2, 0, 1]], [0] * R, [4 * 700 + 2] * R, [4 * 700 + 3], device, True
+        )
+    if name == "p8192_saturated":
+        num_pages = 8192
+        pages = torch.randperm(num_pages, generator=gen)[:18].tolist()
+        ck = torch.zeros(num_pages, CK_PAGE, 1, INDEX_DIM, dtype=torch.float16)
+        ck[pages] = _values((18, CK_PAGE, 1, INDEX_DIM), gen, integer)  # only these are read
+        n = 2303 * COMPRESS_RATIO + 3
+        return _select_case(name, q, ck, [pages], [0] * R, [n - 1] * R, [n], device, integer)
+    if name == "multi_request":
+        ck = _values((12, CK_PAGE, 1, INDEX_DIM), gen, integer)
+        page_table = [[3, 7, 1, 10, 0], [5, -1, 11, 2, 4], [6, 8, 9, -1, -1]]
+        lengths = [519, 40, 2000]
+        rows_req = [2, 0, 1, 2, 0, 1]
+        rows_pos = [1999, 518, 5000, 1022, 300, 39]  # 5000: past the length (clamped to 40)
+        return _select_case(
+            name,
+            q,
+            ck,
+            page_table,
+            [rows_req[r % 6] for r in range(R)],
+            [rows_pos[r % 6] for r in range(R)],
+            lengths,
+            device,
+            integer,
+        )
+    raise KeyError(f"unknown selection case {name!r}; known: {', '.join(SELECT_CASES)}")
+
+
+def random_select_case(
+    R: int,
+    B: int,
+    M: int,
+    P: int,
+    *,
+    device="cpu",
+    seed: int = 0,
+    integer: bool = False,
+    bad_values: bool = True,
+    page_table: Sequence[Sequence[int]] | None = None,
+    token_to_req: Sequence[int] | None = None,
+    query_positions: Sequence[int] | None = None,
+    sequence_lengths: Sequence[int] | None = None,
+    name: str = "random",
+) -> SelectCase:
+    """Random selection case. Unless given, the page table mixes valid pages, duplicates
+    and (``bad_values``) holes -1 / P / large; lengths and positions are random (negative,
+    past the length), and a few rows have an invalid request."""
+    gen = _gen(seed)
+
+    def randint(lo, hi, shape):
+        return torch.randint(lo, hi + 1, shape, generator=gen)
+
+    q = _values((R, INDEX_HEADS, INDEX_DIM), gen, integer)
+    ck = _values((P, CK_PAGE, 1, INDEX_DIM), gen, integer)
+    if page_table is None:
+        pt = randint(0, max(P - 1, 0), (B, M)) if P > 0 else torch.full((B, M), -1)
+        if bad_values and B * M > 0:
+            bad = torch.tensor([-1, P, -5, P + 3, 2**31 - 1])[randint(0, 4, (B, M))]
+            pt = torch.where(torch.rand(B, M, generator=gen) < 0.15, bad, pt)
+        page_table = pt.tolist()
+    if sequence_lengths is None:
+        cap = M * KV_PAGE + 8
+        sequence_lengths = randint(0, cap, (B,)).tolist()
+        if bad_values and B > 0:
+            sequence_lengths[0] = -3 if B > 1 else sequence_lengths[0]
+    if token_to_req is None:
+        ttr = randint(0, max(B - 1, 0), (R,)) if B > 0 else torch.full((R,), -1)
+        if bad_values and R > 0:
+            ttr = torch.where(torch.rand(R, generator=gen) < 0.1, torch.tensor(B), ttr)
+        token_to_req = ttr.tolist()
+    if query_positions is None:
+        top = M * KV_PAGE + 16
+        query_positions = randint(-3, top, (R,)).tolist()
+    return _select_case(
+        name,
+        q,
+        ck,
+        page_table if B > 0 else torch.zeros(0, M, dtype=torch.int32),
+        token_to_req,
+        query_positions,
+        sequence_lengths,
+        device,
+        integer,
+    )
+
+
+def scale_select_case(
+    context_tokens: int, R: int, device="cpu", seed: int = 0, requests: int = 1
+) -> SelectCase:
+    """Decode-like rows over ``requests`` requests of ``context_tokens`` tokens each (pages
+    shuffled); P = requests * ceil(context / 512) pages, so memory is 32 KiB per 512 tokens."""
+    gen = _gen(seed)
+    pages_per_req = -(-context_tokens // KV_PAGE)
+    num_pages = requests * pages_per_req
+    perm = torch.randperm(num_pages, generator=gen).reshape(requests, pages_per_req)
+    q = torch.randn(R, INDEX_HEADS, INDEX_DIM, generator=gen).to(torch.float16)
+    ck = torch.randn(num_pages, CK_PAGE, 1, INDEX_DIM, generator=gen).to(torch.float16)
+    req = [r % requests for r in range(R)]
+    return _select_case(
+        f"scale{context_tokens}",
+        q,
+        ck,
+        perm.tolist(),
+        req,
+        [context_tokens - 1] * R,
+        [context_tokens] * requests,
+        device,
+        False,
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# attention cases (contract section 5)
+# ----------------------------------------------------------------------------------------
+
+ATTENTION_CASES: tuple[str, ...] = (
+    "empty",  # every entry a hole: zeros
+    "holes_dups_cross_page",  # holes anywhere, duplicates, three pages, bad values
+    "valid_width_32",  # 32 valid entries then holes
+    "full_width_2051",  # all 2051 entries valid
+)
+
+
+def _attention_case(
+    name, q, kv_values, indices, page_table, token_to_req, device, softmax_scale=None, lead=0
+) -> AttentionCase:
+    rows = q.shape[0]
+    num_pages = kv_values.shape[0]
+    buffer, k_cache, v_cache = packed_kv(num_pages, device, lead=lead)
+    buffer[lead:].copy_(kv_values.reshape(-1).to(device))
+    return AttentionCase(
+        name=name,
+        q=q.to(device),
+        kv=buffer,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        logical_indices=_i32(indices, device).reshape(rows, WIDTH),
+        page_table=_table(page_table, device),
+        token_to_req=_i32(token_to_req, device).reshape(rows),
+        out=poison_(torch.empty(rows, ATTN_HEADS, HEAD_DIM, dtype=torch.float16, device=device)),
+        softmax_scale=softmax_scale,
+    )
+
+
+def _kv_values(num_pages: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(num_pages, KV_PAGE, PACKED_TOKEN_STRIDE, generator=gen).to(torch.float16)
+
+
+def make_attention_case(name: str, R: int, device="cpu", seed: int = 0) -> AttentionCase:
+    """The seed case ``name`` with ``R`` rows (random float16 data)."""
+    gen = _gen(seed)
+    q = torch.randn(R, ATTN_HEADS, HEAD_DIM, generator=gen).to(torch.float16)
+    if name == "empty":
+        indices = torch.full((R, WIDTH), -1)
+        return _attention_case(name, q, _kv_values(2, gen), indices, [[1]], [0] * R, device)
+    if name == "holes_dups_cross_page":
+        num_pages, page_table = 5, [[4, 1, 3], [2, -1, 0]]
+        context = 3 * KV_PAGE
+        indices = torch.randint(0, context, (R, WIDTH), generator=gen)
+        roll = torch.rand(R, WIDTH, generator=gen)
+        indices = torch.where(roll < 0.3, torch.tensor(-1), indices)  # holes anywhere
+        indices[:, 1::7] = indices[:, 0:1]  # duplicates: token indices[r, 0] many times
+        indices[:, 5] = KV_PAGE - 1  # last slot of page 0 and ...
+        indices[:, 6] = KV_PAGE  # ... first slot of page 1
+        indices[:, 9] = -2  # negative other than -1
+        indices[:, 10] = 3 * KV_PAGE  # logical page 3 >= M
+        indices[:, 11] = 2**31 - 1
+        reqs = [r % 2 for r in range(R)]  # request 1 has a -1 page-table entry (holes)
+        return _attention_case(
+            name, q, _kv_values(num_pages, gen), indices, page_table, reqs, device
+        )
+    if name in ("valid_width_32", "full_width_2051"):
+        valid = 32 if name == "valid_width_32" else WIDTH
+        num_pages = 8
+        context = num_pages * KV_PAGE
+        indices = torch.full((R, WIDTH), -1)
+        for r in range(R):
+            indices[r, :valid] = torch.randperm(context, generator=gen)[:valid]
+        page_table = [torch.randperm(num_pages, generator=gen).tolist()]
+        return _attention_case(
+            name, q, _kv_values(num_pages, gen), indices, page_table, [0] * R, device
+        )
+    raise KeyError(f"unknown attention case {name!r}; known: {', '.join(ATTENTION_CASES)}")
+
+
+def random_attention_case(
+    R: int,
+    B: int,
+    M: int,
+    P: int,
+    *,
+    device="cpu",
+    seed: int = 0,
+    valid_fraction: float = 0.7,
+    bad_values: bool = True,
+    softmax_scale: float | None = None,
+    lead: int = 0,
+    page_table: Sequence[Sequence[int]] | None = None,
+    token_to_req: Sequence[int] | None = None,
+    name: str = "random",
+) -> AttentionCase:
+    """Random attention case: indices mix tokens of the request's pages (duplicates likely),
+    holes -1 and (``bad_values``) other negatives and positions past the page table; the
+    page table has duplicates and, with ``bad_values``, entries -1 / P."""
+    gen = _gen(seed)
+    q = torch.randn(R, ATTN_HEADS, HEAD_DIM, generator=gen).to(torch.float16)
+    if page_table is None:
+        pt = torch.randint(0, max(P, 1), (B, M), generator=gen) if P > 0 else torch.full((B, M), -1)
+        if bad_values and B * M > 0:
+            bad = torch.tensor([-1, P])[torch.randint(0, 2, (B, M), generator=gen)]
+            pt = torch.where(torch.rand(B, M, generator=gen) < 0.15, bad, pt)
+        page_table = pt.tolist() if B > 0 else torch.zeros(0, M, dtype=torch.int32)
+    if token_to_req is None:
+        ttr = torch.randint(0, max(B, 1), (R,), generator=gen) if B > 0 else torch.full((R,), -1)
+        if bad_values and R > 0:
+            ttr = torch.where(torch.rand(R, generator=gen) < 0.1, torch.tensor(-1), ttr)
+        token_to_req = ttr.tolist()
+    context = max(M, 1) * KV_PAGE
+    indices = torch.randint(0, context, (R, WIDTH), generator=gen)
+    roll = torch.rand(R, WIDTH, generator=gen)
+    indices = torch.where(roll >= valid_fraction, torch.tensor(-1), indices)
+    if bad_values:
+        bad = torch.tensor([-2, -(2**31), context, 2**31 - 1])[
+            torch.randint(0, 4, (R, WIDTH), generator=gen)
+        ]
+        indices = torch.where(roll >= 1 - (1 - valid_fraction) / 4, bad, indices)
+    return _attention_case(
+        name, q, _kv_values(P, gen), indices, page_table, token_to_req, device, softmax_scale, lead
+    )
+
+
+def scale_attention_case(context_tokens: int, R: int, device="cpu", seed: int = 0) -> AttentionCase:
+    """Rows of one request over ``context_tokens`` tokens, every row with 2051 random
+    (possibly repeated) tokens; memory is the KV buffer, 512 KiB per 512 tokens."""
+    gen = _gen(seed)
+    num_pages = -(-context_tokens // KV_PAGE)
+    q = torch.randn(R, ATTN_HEADS, HEAD_DIM, generator=gen).to(torch.float16)
+    indices = torch.randint(0, context_tokens, (R, WIDTH), generator=gen)
+    page_table = [torch.randperm(num_pages, generator=gen).tolist()]
+    return _attention_case(
+        f"scale{context_tokens}",
+        q,
+        _kv_values(num_pages, gen),
+        indices,
+        page_table,
+        [0] * R,
+        device,
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# independent float64 checkers (plain loops; no use of qsa_ops.reference)
+# ----------------------------------------------------------------------------------------
+
+
+def _cpu_lists(*tensors: torch.Tensor) -> list[list]:
+    return [t.detach().cpu().tolist() for t in tensors]
+
+
+def expected_selection_row(case: SelectCase, r: int, lists: list[list] | None = None):
+    """(usable blocks, their float64 scores, n, nb, t) of row ``r``, or None when the row's
+    request is invalid. Scores are sum_h relu(q.k) / sqrt(128) in float64. ``lists`` caches
+    the integer inputs as Python lists (see _selection_lists)."""
+    page_table, token_to_req, positions, lengths = lists or _selection_lists(case)
+    num_requests = len(lengths)
+    num_pages = case.compressed_key_cache.shape[0]
+    b = token_to_req[r]
+    if not 0 <= b < num_requests:
+        return None
+    n = max(0, min(positions[r] + 1, lengths[b]))
+    nb, t = divmod(n, COMPRESS_RATIO)
+    max_pages = len(page_table[b])
+    usable = []
+    for j in range(nb):
+        if j // CK_PAGE >= max_pages:
+            break
+        phys = page_table[b][j // CK_PAGE]
+        if 0 <= phys < num_pages:
+            usable.append(j)
+    if usable:
+        phys = torch.tensor([page_table[b][j // CK_PAGE] for j in usable])
+        slots = torch.tensor([j % CK_PAGE for j in usable])
+        keys = case.compressed_key_cache.detach().cpu()[phys, slots, 0].double().numpy()  # [U, 128]
+        qr = case.q.detach().cpu()[r].double().numpy()  # [4, 128]
+        scores = np.maximum(qr @ keys.T, 0.0).sum(axis=0) / math.sqrt(INDEX_DIM)
+    else:
+        scores = np.zeros(0)
+    return usable, scores, n, nb, t
+
+
+def _selection_lists(case: SelectCase) -> list[list]:
+    return _cpu_lists(
+        case.page_table, case.token_to_req, case.query_positions, case.sequence_lengths
+    )
+
+
+def check_selection(case: SelectCase, out: torch.Tensor, exact: bool | None = None) -> None:
+    """Check ``out`` against the contract with float64 scores; raise AssertionError naming the
+    case, row and column. ``exact`` (default: ``case.integer``) requires the exact tie order
+    (valid for small-integer data only); otherwise a valid top-k within 1e-4 * max|score|."""
+    exact = case.integer if exact is None else exact
+    got = out.detach().cpu()
+    rows = case.q.shape[0]
+    if tuple(got.shape) != (rows, WIDTH):
+        raise AssertionError(
+            f"{case!r}: out has shape {tuple(got.shape)}, expected ({rows}, {WIDTH})"
+        )
+    got_rows = got.tolist()
+    lists = _selection_lists(case)
+    for r in range(rows):
+        row = got_rows[r]
+
+        def fail(col: int, what: str, row=row, r=r) -> None:
+            raise AssertionError(f"{case!r}: row {r} column {col}: {what} (got {row[col]})")
+
+        expected = expected_selection_row(case, r, lists)
+        if expected is None:
+            for col, v in enumerate(row):
+                if v != -1:
+                    fail(col, "row of an invalid request must be all -1")
+            continue
+        usable, scores, n, nb, t = expected
+        kb = min(BLOCK_TOPK, len(usable))
+        score_of = dict(zip(usable, scores.tolist(), strict=True))
+        chosen = []
+        for k in range(kb):
+            first = row[4 * k]
+            if first < 0 or first % COMPRESS_RATIO:
+                fail(4 * k, f"expected the first token of a block (selection {k} of {kb})")
+            for i in range(1, COMPRESS_RATIO):
+                if row[4 * k + i] != first + i:
+                    fail(4 * k + i, f"expected token {first + i} (block expansion)")
+            j = first // COMPRESS_RATIO
+            if j not in score_of:
+                fail(4 * k, f"block {j} is not a usable visible block")
+            chosen.append(j)
+        if len(set(chosen)) != kb:
+            dup = next(k for k, j in enumerate(chosen) if chosen.index(j) != k)
+            fail(4 * dup, f"block {chosen[dup]} chosen twice")
+        for s in range(t):
+            if row[4 * kb + s] != 4 * nb + s:
+                fail(4 * kb + s, f"expected tail token {4 * nb + s}")
+        for col in range(4 * kb + t, WIDTH):
+            if row[col] != -1:
+                fail(col, "expected -1 padding")
+        if exact:
+            order = sorted(usable, key=lambda j: (-score_of[j], j))[:kb]
+            for k, (j_got, j_want) in enumerate(zip(chosen, order, strict=True)):
+                if j_got != j_want:
+                    fail(
+                        4 * k,
+                        f"expected block {j_want} (score {score_of[j_want]}), got block {j_got} "
+                        f"(score {score_of[j_got]}); order is score desc, then lower j",
+                    )
+        elif kb:
+            tol = SELECTION_TOLERANCE * float(np.abs(scores).max())
+            chosen_set = set(chosen)
+            rest = [score_of[j] for j in usable if j not in chosen_set]
+            worst_chosen = min(range(kb), key=lambda k: score_of[chosen[k]])
+            if rest and score_of[chosen[worst_chosen]] < max(rest) - tol:
+                fail(
+                    4 * worst_chosen,
+                    f"not a top-{kb}: chosen score {score_of[chosen[worst_chosen]]} < "
+                    f"unchosen {max(rest)} - tol {tol}",
+                )
+            for k in range(1, kb):
+                if score_of[chosen[k]] > score_of[chosen[k - 1]] + tol:
+                    fail(
+                        4 * k,
+                        f"order not descending: {score_of[chosen[k]]} after {score_of[chosen[k - 1]]}",
+                    )
+
+
+def expected_attention(case: AttentionCase) -> np.ndarray:
+    """float64 [R, 3, 256] expected output, computed with loops over rows and entries."""
+    indices, page_table, token_to_req = _cpu_lists(
+        case.logical_indices, case.page_table, case.token_to_req
+    )
+    scale = resolve_softmax_scale(case.softmax_scale)
+    num_pages = case.k_cache.shape[0]
+    k_cache = case.k_cache.detach().cpu()
+    v_cache = case.v_cache.detach().cpu()
+    q = case.q.detach().cpu().double().numpy()
+    rows = q.shape[0]
+    result = np.zeros((rows, ATTN_HEADS, HEAD_DIM))
+    for r in range(rows):
+        b = token_to_req[r]
+        if not 0 <= b < len(page_table):
+            continue
+        phys, slots = [], []
+        for i in indices[r]:
+            if i < 0 or i // KV_PAGE >= len(page_table[b]):
+                continue
+            p = page_table[b][i // KV_PAGE]
+            if 0 <= p < num_pages:
+                phys.append(p)
+                slots.append(i % KV_PAGE)
+        if not phys:
+            continue
+        keys = k_cache[phys, slots, 0].double().numpy()  # [N, 256]
+        values = v_cache[phys, slots, 0].double().numpy()
+        for h in range(ATTN_HEADS):
+            logits = scale * (keys @ q[r, h])
+            w = np.exp(logits - logits.max())
+            result[r, h] = (w / w.sum()) @ values
+    return result
+
+
+def check_attention(
+    case: AttentionCase, out: torch.Tensor, tol: float = ATTENTION_TOLERANCE
+) -> float:
+    """Check ``out`` against the float64 expectation: no NaN, rows without valid entries
+    exactly zero, ||out - ref|| / ||ref|| < tol. Returns the relative error."""
+    got = out.detach().cpu().double().numpy()
+    want = expected_attention(case)
+    if got.shape != want.shape:
+        raise AssertionError(f"{case!r}: out has shape {got.shape}, expected {want.shape}")
+    bad = np.argwhere(~np.isfinite(got))
+    if len(bad):
+        r, h, d = bad[0]
+        raise AssertionError(
+            f"{case!r}: {len(bad)} non-finite outputs (poison not overwritten?), first at [{r}, {h}, {d}]"
+        )
+    for r in range(want.shape[0]):
+        if not want[r].any() and got[r].any():
+            h, d = np.argwhere(got[r] != 0)[0]
+            raise AssertionError(
+                f"{case!r}: row {r} has no valid entry and must be zero, got {got[r, h, d]} at [{h}, {d}]"
+            )
+    norm = float(np.linalg.norm(want))
+    err = float(np.linalg.norm(got - want)) / norm if norm > 0 else 0.0
+    if err >= tol:
+        diff = np.abs(got - want)
+        r, h, d = np.unravel_index(int(diff.argmax()), diff.shape)
+        raise AssertionError(
+            f"{case!r}: relative error {err:.3e} >= {tol:.0e}; worst at [{r}, {h}, {d}]: "
+            f"got {got[r, h, d]}, expected {want[r, h, d]}"
+        )
+    return err

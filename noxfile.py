@@ -1,0 +1,791 @@
+"""The build-and-validate pipeline of custom-esimd-kernels-vllm.
+
+    nox -s lint tests                                   CPU checks (the README's test command)
+    nox -s build -- --target cuda-sm90 [--container]    compile the DSO, write dist/provenance.json
+    nox -s wheel verify                                 bdist wheel + SHA256SUMS; clean-venv check
+    nox -s image                                        CPU test image; the test suite inside it
+    nox -s kernels bench                                GPU host: tests/gpu, the benchmark
+    nox -s overlay e2e gsm8k                            vLLM overlay, serving E2E, GSM8K gate
+    nox -s pipeline [-- --no-venv]                      all steps in order -> dist/run-record.*
+
+Every step writes ``dist/steps/<step>.json`` (status, reason, artifacts with SHA256);
+``pipeline`` runs the steps in order, stops at the first failure and gathers the records into
+``dist/run-record.json`` and ``dist/run-record.md``, with one log per step in ``dist/logs/``.
+Targets, flags and macros live in ``build_targets.py`` only. docs/pipeline.md has the details.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import importlib.util
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import nox
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+import build_targets  # noqa: E402  (the repository root is not on sys.path under nox)
+
+PACKAGE = "custom_esimd_kernels_vllm"
+DIST = ROOT / "dist"
+STEPS_DIR = DIST / "steps"
+LOGS_DIR = DIST / "logs"
+WORK = ROOT / ".work" / "pipeline"
+PROVENANCE = DIST / "provenance.json"
+IN_PACKAGE_PROVENANCE = ROOT / PACKAGE / "provenance.json"
+SHA256SUMS = DIST / "SHA256SUMS"
+
+# NOTES: torch is pinned everywhere the pipeline installs it: an unpinned `torch` would resolve
+# to a multi-GB CUDA build, while 2.13.0 resolves to the CPU wheel on the CI hosts.
+TORCH_PIN = "torch==2.13.0"
+BUILD_REQUIREMENTS = ROOT / "docker" / "requirements-build.txt"
+CUDA_TOOLKIT = ROOT / "docker" / "cuda-toolkit.txt"
+# Sources whose SHA256s go into the manifest: everything that decides the DSO's bytes.
+PROVENANCE_SOURCES = ("csrc", "setup.py", "build_targets.py", "pyproject.toml")
+# Order of `nox -s pipeline` (the design card's order).
+PIPELINE = (
+    "lint",
+    "tests",
+    "build",
+    "wheel",
+    "verify",
+    "kernels",
+    "bench",
+    "overlay",
+    "e2e",
+    "gsm8k",
+)
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.default_venv_backend = "venv"
+
+
+# --------------------------------------------------------------------------------------------
+# Step records
+# --------------------------------------------------------------------------------------------
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def rel(path: Path) -> str:
+    path = Path(path).resolve()
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+
+
+class Step:
+    """The record one session leaves in dist/steps/<name>.json."""
+
+    current: Step | None = None
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.path = STEPS_DIR / f"{name}.json"
+        self.path.unlink(missing_ok=True)
+        self.artifacts: dict[str, str] = {}
+        self.details: dict[str, object] = {}
+        self.start = time.monotonic()
+
+    def artifact(self, path: Path) -> str:
+        digest = sha256(path)
+        self.artifacts[rel(path)] = digest
+        return digest
+
+    def write(self, status: str, reason: str = "") -> None:
+        STEPS_DIR.mkdir(parents=True, exist_ok=True)
+        record = {
+            "step": self.name,
+            "status": status,
+            "reason": reason,
+            "duration_s": round(time.monotonic() - self.start, 1),
+            "artifacts": self.artifacts,
+            "details": self.details,
+        }
+        self.path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def step(func):
+    """Wrap a session so that it always leaves a record: passed, skipped (with the reason of
+    ``session.skip``) or failed (with the error)."""
+
+    @functools.wraps(func)
+    def wrapper(session: nox.Session) -> None:
+        rec = Step.current = Step(session.name)
+        try:
+            func(session)
+        except BaseException as exc:
+            if type(exc).__name__ == "_SessionSkip":
+                rec.write("skipped", " ".join(map(str, exc.args)))
+            else:
+                rec.write("failed", f"{type(exc).__name__}: {exc}".strip())
+            raise
+        rec.write("passed")
+
+    return wrapper
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def has_venv(session: nox.Session) -> bool:
+    return session.venv_backend != "none"
+
+
+def install(session: nox.Session, *args: str) -> None:
+    """pip install with torch pinned; without a virtualenv (GPU hosts, images) install nothing:
+    the interpreter is expected to be provisioned already."""
+    if not has_venv(session):
+        session.log(f"no virtualenv: not installing {' '.join(args)}")
+        return
+    constraints = WORK / "constraints.txt"
+    constraints.parent.mkdir(parents=True, exist_ok=True)
+    constraints.write_text(TORCH_PIN + "\n")
+    session.install("-c", str(constraints), *args)
+
+
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def extras(*names: str) -> list[str]:
+    """Requirements of the given optional-dependency groups of pyproject.toml."""
+    groups = pyproject()["project"].get("optional-dependencies", {})
+    return [req for name in names for req in groups.get(name, [])]
+
+
+def requirements_file(path: Path) -> list[str]:
+    lines = (ln.split("#")[0].strip() for ln in path.read_text().splitlines())
+    return [ln for ln in lines if ln]
+
+
+def cuda_device() -> tuple[bool, str]:
+    """Whether this host has a usable CUDA device, and why not."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False, "no CUDA device on this host (nvidia-smi not found)"
+    res = subprocess.run([smi, "-L"], capture_output=True, text=True)
+    gpus = [ln for ln in res.stdout.splitlines() if ln.startswith("GPU ")]
+    if res.returncode != 0 or not gpus:
+        return False, f"no CUDA device on this host (nvidia-smi -L: {res.stderr.strip() or 'none'})"
+    return True, gpus[0]
+
+
+def load_module(relpath: str):
+    """Import a pipeline module by path (docker/images.py, ci/nox_*.py); None when absent."""
+    path = ROOT / relpath
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(f"_qsa_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def images():
+    return load_module("docker/images.py")
+
+
+def provenance_module():
+    # By path: importing the package would import torch, which the nox interpreter lacks.
+    return load_module(f"{PACKAGE}/qsa_ops/provenance.py")
+
+
+def parse_build_args(session: nox.Session) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="nox -s build --")
+    parser.add_argument(
+        "--target", default=build_targets.DEFAULT_TARGET, choices=build_targets.TARGETS
+    )
+    parser.add_argument("--container", action="store_true", help="build inside the target's image")
+    return parser.parse_args(session.posargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Sessions
+# --------------------------------------------------------------------------------------------
+
+
+@nox.session
+@step
+def lint(session: nox.Session) -> None:
+    """ruff check + ruff format --check over the repository; bash -n over the shell scripts."""
+    install(session, "ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    scripts = sorted(ROOT.glob("docker/*.sh")) + [ROOT / ".ci" / "run"]
+    for script in scripts:
+        if script.is_file():
+            session.run("bash", "-n", str(script), external=True)
+
+
+@nox.session
+@step
+def tests(session: nox.Session) -> None:
+    """The CPU test suite (GPU tests are skipped with their reason on a CPU host)."""
+    install(session, TORCH_PIN, *extras("test", "bench"))
+    junit = DIST / "junit-tests.xml"
+    junit.parent.mkdir(parents=True, exist_ok=True)
+    # NOTES: pytest exits 5 when it collects nothing; nox treats every non-zero exit as a
+    # failure, so an empty or mis-pointed suite fails this step instead of passing silently.
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "tests",
+        "-ra",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+        *session.posargs,
+    )
+    Step.current.artifact(junit)
+
+
+@nox.session
+@step
+def build(session: nox.Session) -> None:
+    """Compile the DSO for one target and write dist/provenance.json.
+
+    nox -s build -- --target cuda-sm90 [--container]
+    """
+    args = parse_build_args(session)
+    target = build_targets.TARGETS[args.target]
+    if args.container:
+        build_in_container(session, target)
+    else:
+        install(session, "-r", str(BUILD_REQUIREMENTS))
+        build_native(session, target)
+
+
+def require_toolchain(session: nox.Session, target: build_targets.Target) -> str:
+    path = shutil.which(target.toolchain)
+    if path is None:
+        session.error(
+            f"target {target.name} needs the compiler `{target.toolchain}` on PATH, which this "
+            f"host does not have. Build it in its image: nox -s build -- --target {target.name} "
+            f"--container (recipe docker/{target.container_image}.Dockerfile)"
+        )
+    return path
+
+
+def toolchain_versions(session: nox.Session, target: build_targets.Target) -> dict[str, str]:
+    def py(code: str) -> str:
+        return session.run("python", "-c", code, silent=True, external=True).strip()
+
+    versions = {
+        target.toolchain: provenance_module().tool_version([target.toolchain, "--version"]),
+        "host_compiler": provenance_module().tool_version(["g++", "--version"]),
+        "python": py("import platform; print(platform.python_version())"),
+    }
+    for dist in ("pybind11", "setuptools"):
+        versions[dist] = py(f"import importlib.metadata as m; print(m.version({dist!r}))")
+    return versions
+
+
+def built_dso() -> Path:
+    found = sorted((ROOT / PACKAGE).glob("_qsa_cuda*.so"))
+    if len(found) != 1:
+        raise RuntimeError(f"expected one {PACKAGE}/_qsa_cuda*.so after the build, found {found}")
+    return found[0]
+
+
+def build_native(session: nox.Session, target: build_targets.Target) -> None:
+    require_toolchain(session, target)
+    provenance = provenance_module()
+
+    # A clean build every time: stale objects must never reach a wheel.
+    shutil.rmtree(ROOT / "build", ignore_errors=True)
+    for old in (ROOT / PACKAGE).glob("_qsa_cuda*.so"):
+        old.unlink()
+    IN_PACKAGE_PROVENANCE.unlink(missing_ok=True)
+    command = ["python", "setup.py", "--quiet", "build_ext", "--inplace"]
+    session.log(f"compiling {target.name} with {target.toolchain} (progress: one line per file)")
+    session.run(*command, env={"QSA_TARGET": target.name})
+    dso = built_dso()
+    manifest = provenance.make_manifest(
+        target={
+            "name": target.name,
+            "toolchain": target.toolchain,
+            "arch_flags": list(target.arch_flags),
+            "flags": list(target.flags),
+            "macros": dict(sorted(target.macros.items())),
+        },
+        toolchain=toolchain_versions(session, target),
+        sources=provenance.source_digests(ROOT, PROVENANCE_SOURCES),
+        git=provenance.git_state(ROOT),
+        dso_path=dso,
+        root=ROOT,
+        build={"command": " ".join(command), "env": {"QSA_TARGET": target.name}, "container": None},
+        version=pyproject()["project"]["version"],
+    )
+    text = json.dumps(manifest, indent=2) + "\n"
+    PROVENANCE.parent.mkdir(parents=True, exist_ok=True)
+    PROVENANCE.write_text(text)
+    IN_PACKAGE_PROVENANCE.write_text(text)  # shipped in the wheel next to the DSO
+    session.log(f"{rel(dso)}  sha256 {manifest['dso']['sha256']}")
+    Step.current.artifact(dso)
+    Step.current.artifact(PROVENANCE)
+    Step.current.details.update(target=target.name, dso_sha256=manifest["dso"]["sha256"])
+
+
+def build_in_container(session: nox.Session, target: build_targets.Target) -> None:
+    """Build inside the target's image by running this same session there (nox --no-venv), then
+    compare the container's DSO with the native build's (made first when absent)."""
+    img = images()
+    try:
+        if target.container_image == "qsa-build-oneapi":
+            img.require_oneapi_repo()
+        client = img.connect(session.log)
+        img.ensure_base(client, session.log)
+        ctx = img.make_context(
+            target.container_image,
+            WORK / "ctx" / target.container_image,
+            requirements=[*requirements_file(BUILD_REQUIREMENTS), "nox"],
+            extra_files=[CUDA_TOOLKIT] if target.toolchain == "nvcc" else [],
+            extra_wheels=requirements_file(CUDA_TOOLKIT) if target.toolchain == "nvcc" else [],
+            log=session.log,
+        )
+        image_id = img.build_image(client, target.container_image, ctx, session.log)
+    except img.ImageError as exc:
+        session.error(str(exc))
+
+    if (
+        not PROVENANCE.is_file()
+        or json.loads(PROVENANCE.read_text())["target"]["name"] != target.name
+    ):
+        session.log("no native build of this target yet: building it first for the comparison")
+        install(session, "-r", str(BUILD_REQUIREMENTS))
+        build_native(session, target)
+    native = json.loads(PROVENANCE.read_text())
+
+    # NOTES: the container builds at the same absolute path as this checkout: the compiler
+    # records the build directory (e.g. in debug info), so the path is part of the build input.
+    src = img.export_tree(WORK / "container-src")
+    out = DIST / "container" / target.name
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    LOGS_DIR.mkdir(parents=True, exist_ok=True)
+    log_path = LOGS_DIR / f"build-container-{target.name}.log"
+    command = (
+        f"nox --no-venv -s build -- --target {target.name}"
+        f" && cp dist/provenance.json {PACKAGE}/_qsa_cuda*.so /out/"
+    )
+    session.log(f"building {target.name} in {target.container_image} (log {rel(log_path)}) ...")
+    code = img.run(
+        client,
+        target.container_image,
+        command,
+        mounts={str(src): str(ROOT), str(out): "/out"},
+        workdir=str(ROOT),
+        log_path=log_path,
+        log=session.log,
+    )
+    Step.current.artifact(log_path)
+    if code != 0:
+        session.error(
+            f"the build in {target.container_image} failed (exit {code}); see {rel(log_path)}"
+        )
+    inside = json.loads((out / "provenance.json").read_text())
+    inside["git"] = {**native["git"], "note": "exported from the host checkout"}
+    inside["build"]["container"] = {"image": target.container_image, "image_id": image_id}
+    (out / "provenance.json").write_text(json.dumps(inside, indent=2) + "\n")
+    Step.current.artifact(out / "provenance.json")
+    Step.current.artifact(next(out.glob("_qsa_cuda*.so")))
+
+    comparison = compare_builds(native, inside, next(out.glob("_qsa_cuda*.so")))
+    native["container"] = comparison
+    PROVENANCE.write_text(json.dumps(native, indent=2) + "\n")
+    Step.current.artifact(PROVENANCE)
+    Step.current.details.update(target=target.name, container=comparison)
+    verdict = "identical to" if comparison["identical"] else "DIFFERENT from"
+    session.log(
+        f"container DSO {comparison['sha256']} is {verdict} the native {native['dso']['sha256']}"
+    )
+    for why in comparison["why"]:
+        session.log(f"  why: {why}")
+
+
+def compare_builds(native: dict, inside: dict, inside_dso: Path) -> dict:
+    """Native vs container DSO: equal SHA256, or the reasons they differ (toolchain versions,
+    source digests, flags, and the ELF sections whose bytes differ)."""
+    result = {
+        "image_dso": rel(inside_dso),
+        "sha256": inside["dso"]["sha256"],
+        "identical": inside["dso"]["sha256"] == native["dso"]["sha256"],
+        "why": [],
+    }
+    if result["identical"]:
+        return result
+    for key in ("toolchain", "target", "sources"):
+        a, b = native.get(key, {}), inside.get(key, {})
+        for name in sorted(set(a) | set(b)):
+            if a.get(name) != b.get(name):
+                result["why"].append(
+                    f"{key}.{name}: native {a.get(name)!r} vs container {b.get(name)!r}"
+                )
+    sections = elf_section_diff(ROOT / native["dso"]["path"], inside_dso)
+    result["why"].append(
+        "ELF sections that differ: " + (", ".join(sections) if sections else "none (layout only)")
+    )
+    return result
+
+
+def elf_section_diff(a: Path, b: Path) -> list[str]:
+    """Names of the ELF sections whose size or bytes differ between two shared objects."""
+
+    def sections(path: Path) -> dict[str, bytes]:
+        data = path.read_bytes()
+        import struct
+
+        (shoff,) = struct.unpack_from("<Q", data, 0x28)
+        shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+        heads = [
+            struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)
+        ]
+        strtab = heads[shstrndx]
+        names = data[strtab[4] : strtab[4] + strtab[5]]
+
+        def name(off: int) -> str:
+            return names[off : names.index(b"\0", off)].decode()
+
+        return {
+            name(h[0]): (data[h[4] : h[4] + h[5]] if h[1] != 8 else h[5].to_bytes(8, "little"))
+            for h in heads[1:]
+        }
+
+    sa, sb = sections(a), sections(b)
+    return [s for s in sorted(set(sa) | set(sb)) if sa.get(s) != sb.get(s)]
+
+
+@nox.session
+@step
+def wheel(session: nox.Session) -> None:
+    """bdist wheel of the built DSO with provenance.json inside the package; dist/SHA256SUMS."""
+    if not PROVENANCE.is_file():
+        session.error("no dist/provenance.json: run `nox -s build` first")
+    manifest = json.loads(PROVENANCE.read_text())
+    dso = ROOT / manifest["dso"]["path"]
+    if not dso.is_file() or sha256(dso) != manifest["dso"]["sha256"]:
+        session.error(f"{rel(dso)} is missing or changed since `nox -s build`: build again")
+    IN_PACKAGE_PROVENANCE.write_text(PROVENANCE.read_text())
+    install(session, "-r", str(BUILD_REQUIREMENTS))
+    for old in DIST.glob("*.whl"):
+        old.unlink()
+    session.run(
+        "python",
+        "-m",
+        "pip",
+        "wheel",
+        ".",
+        "--no-deps",
+        "--no-build-isolation",
+        "--wheel-dir",
+        str(DIST),
+        env={"QSA_TARGET": manifest["target"]["name"]},
+    )
+    (whl,) = DIST.glob("*.whl")
+    members = wheel_members(whl)
+    dso_member = f"{PACKAGE}/{dso.name}"
+    prov_member = f"{PACKAGE}/provenance.json"
+    for member in (dso_member, prov_member):
+        if member not in members:
+            session.error(f"{whl.name} lacks {member}: the package data must include it")
+    if members[dso_member] != manifest["dso"]["sha256"]:
+        session.error(
+            f"{whl.name} carries a DSO with SHA256 {members[dso_member]}, not the built "
+            f"{manifest['dso']['sha256']}: the wheel build recompiled it differently"
+        )
+    lines = [f"{sha256(whl)}  {whl.name}", f"{manifest['dso']['sha256']}  {dso.name}"]
+    lines.append(f"{sha256(PROVENANCE)}  {PROVENANCE.name}")
+    SHA256SUMS.write_text("\n".join(lines) + "\n")
+    for path in (whl, SHA256SUMS):
+        Step.current.artifact(path)
+    Step.current.details.update(wheel=whl.name, dso_sha256=members[dso_member])
+
+
+def wheel_members(whl: Path) -> dict[str, str]:
+    with zipfile.ZipFile(whl) as zf:
+        return {
+            n: hashlib.sha256(zf.read(n)).hexdigest() for n in zf.namelist() if not n.endswith("/")
+        }
+
+
+@nox.session
+@step
+def verify(session: nox.Session) -> None:
+    """Install the wheel into a clean venv, import it, and check that the SHA256 of the DSO it
+    loads equals the manifest, the wheel's member, SHA256SUMS and the installed file."""
+    wheels = sorted(DIST.glob("*.whl"))
+    if len(wheels) != 1 or not SHA256SUMS.is_file():
+        session.error("expected one dist/*.whl and dist/SHA256SUMS: run `nox -s build wheel` first")
+    whl = wheels[0]
+    sums = dict(reversed(ln.split("  ", 1)) for ln in SHA256SUMS.read_text().splitlines())
+    if sums.get(whl.name) != sha256(whl):
+        session.error(f"{whl.name} does not match its SHA256SUMS entry")
+    manifest = json.loads(PROVENANCE.read_text())
+    install(session, TORCH_PIN)
+    install(session, str(whl), *extras("test"))
+    # Run from an empty directory so that the checkout's sources cannot shadow the install.
+    scratch = WORK / "verify"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    with session.chdir(scratch):
+        out = session.run("python", "-m", f"{PACKAGE}.qsa_ops.provenance", "--check", silent=True)
+        evidence = json.loads(out[out.index("{") :])
+        session.run("python", "-c", f"from {PACKAGE} import qsa_ops; print(qsa_ops.build_info())")
+        session.run(
+            "python", "-m", "pytest", str(ROOT / "tests" / "cpu"), "-q", "-p", "no:cacheprovider"
+        )
+    loaded = Path(evidence["dso"]["path"])
+    if ROOT in loaded.parents and ".nox" not in loaded.parts:
+        session.error(f"the DSO loaded from the checkout ({loaded}), not from the installed wheel")
+    dso_name = Path(manifest["dso"]["path"]).name
+    checks = {
+        "module reports": evidence["dso"]["sha256"],
+        "installed file": sha256(loaded),
+        "manifest": manifest["dso"]["sha256"],
+        "wheel member": wheel_members(whl)[f"{PACKAGE}/{dso_name}"],
+        "SHA256SUMS": sums.get(dso_name),
+    }
+    for what, digest in checks.items():
+        session.log(f"{what:>15}: {digest}")
+    if len(set(checks.values())) != 1:
+        session.error(f"DSO SHA256 mismatch: {checks}")
+    Step.current.details.update(dso_sha256=evidence["dso"]["sha256"], checks=list(checks))
+
+
+@nox.session
+@step
+def image(session: nox.Session) -> None:
+    """Focused image validation: build the CPU test image from the local base image and run the
+    test suite (`nox --no-venv -s tests`) inside it, offline."""
+    img = images()
+    try:
+        client = img.connect(session.log)
+        img.ensure_base(client, session.log)
+        ctx = img.make_context(
+            "qsa-test-cpu",
+            WORK / "ctx" / "qsa-test-cpu",
+            requirements=[TORCH_PIN, *extras("test", "bench"), "nox"],
+            log=session.log,
+        )
+        img.build_image(client, "qsa-test-cpu", ctx, session.log)
+    except img.ImageError as exc:
+        session.error(str(exc))
+    src = img.export_tree(WORK / "image-src")
+    LOGS_DIR.mkdir(parents=True, exist_ok=True)
+    log_path = LOGS_DIR / "image-tests.log"
+    session.log(f"running the test suite in qsa-test-cpu (log {rel(log_path)}) ...")
+    code = img.run(
+        client,
+        "qsa-test-cpu",
+        "nox --no-venv -s tests",
+        mounts={str(src): "/src"},
+        workdir="/src",
+        log_path=log_path,
+        log=session.log,
+    )
+    Step.current.artifact(log_path)
+    inner = src / "dist" / "steps" / "tests.json"
+    if inner.is_file():
+        Step.current.details["tests_in_image"] = json.loads(inner.read_text())
+    if code != 0:
+        session.error(
+            f"the test suite failed inside qsa-test-cpu (exit {code}); see {rel(log_path)}"
+        )
+    tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+    session.log("inside the image: " + " | ".join(tail))
+
+
+@nox.session(python=False)
+@step
+def kernels(session: nox.Session) -> None:
+    """GPU host, system python (no index needed): tests/gpu against the built DSO."""
+    ok, why = cuda_device()
+    if not ok:
+        session.skip(why)
+    session.run("python", "-m", f"{PACKAGE}.qsa_ops.provenance", "--check")
+    junit = DIST / "junit-kernels.xml"
+    session.run(
+        "python", "-m", "pytest", "tests/gpu", "-ra", f"--junitxml={junit}", *session.posargs
+    )
+    Step.current.artifact(junit)
+
+
+@nox.session(python=False)
+@step
+def bench(session: nox.Session) -> None:
+    """GPU host, system python: the benchmark harness (python -m custom_esimd_kernels_vllm.bench)."""
+    ok, why = cuda_device()
+    if not ok:
+        session.skip(why)
+    if (
+        importlib.util.find_spec(f"{PACKAGE}.bench.__main__", None) is None
+        and not (ROOT / PACKAGE / "bench" / "__main__.py").is_file()
+    ):
+        session.skip("not available yet: custom_esimd_kernels_vllm/bench/__main__.py is missing")
+    session.run("python", "-m", f"{PACKAGE}.bench", *session.posargs)
+
+
+def delegated(module_path: str, name: str):
+    """A session implemented in another module (ci/nox_vllm.py, ci/nox_gsm8k.py)."""
+
+    def session_func(session: nox.Session) -> None:
+        module = load_module(module_path)
+        if module is None or not hasattr(module, name):
+            session.skip(f"not available yet: {module_path} does not define {name}(session)")
+        getattr(module, name)(session)
+
+    session_func.__name__ = name
+    session_func.__doc__ = f"Implemented by {module_path}:{name}(session)."
+    return nox.session(name=name)(step(session_func))
+
+
+overlay = delegated("ci/nox_vllm.py", "overlay")
+e2e = delegated("ci/nox_vllm.py", "e2e")
+gsm8k = delegated("ci/nox_gsm8k.py", "gsm8k")
+
+
+# --------------------------------------------------------------------------------------------
+# The pipeline
+# --------------------------------------------------------------------------------------------
+
+
+@nox.session(python=False)
+def pipeline(session: nox.Session) -> None:
+    """Run the steps in order, stop at the first failure, write dist/run-record.{json,md}.
+
+    nox -s pipeline -- [--no-venv] [--steps lint,tests,...] [--target cuda-sm90] [--container]
+    """
+    parser = argparse.ArgumentParser(prog="nox -s pipeline --")
+    parser.add_argument("--steps", default=",".join(PIPELINE))
+    parser.add_argument("--no-venv", action="store_true", help="run every step with nox --no-venv")
+    parser.add_argument("--target", default=build_targets.DEFAULT_TARGET)
+    parser.add_argument("--container", action="store_true", help="build step inside the image")
+    args = parser.parse_args(session.posargs)
+    steps = [s for s in args.steps.split(",") if s]
+    LOGS_DIR.mkdir(parents=True, exist_ok=True)
+    provenance = provenance_module()
+    record = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": {
+            "node": platform.node(),
+            "machine": platform.machine(),
+            "python": platform.python_version(),
+        },
+        "git": provenance.git_state(ROOT),
+        "args": session.posargs,
+        "steps": [],
+    }
+    failed = None
+    for name in steps:
+        if failed:
+            record["steps"].append(
+                {"step": name, "status": "not run", "reason": f"stopped after {failed} failed"}
+            )
+            continue
+        posargs = (
+            ["--target", args.target] + (["--container"] if args.container else [])
+            if name == "build"
+            else []
+        )
+        entry = run_step(session, name, posargs, args.no_venv)
+        record["steps"].append(entry)
+        if entry["status"] == "failed":
+            failed = name
+    record["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    record["result"] = "failed" if failed else "passed"
+    (DIST / "run-record.json").write_text(json.dumps(record, indent=2) + "\n")
+    (DIST / "run-record.md").write_text(markdown(record))
+    session.log(f"run record: {rel(DIST / 'run-record.md')}")
+    print(markdown(record))
+    if failed:
+        session.error(f"pipeline stopped: step {failed} failed (log dist/logs/{failed}.log)")
+
+
+def run_step(session: nox.Session, name: str, posargs: list[str], no_venv: bool) -> dict:
+    """Run `nox -s <name>` with its output in dist/logs/<name>.log and a progress line every
+    30 s; read back the step's record."""
+    log_path = LOGS_DIR / f"{name}.log"
+    cmd = [sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py"), "-s", name]
+    cmd += (["--no-venv"] if no_venv else []) + (["--", *posargs] if posargs else [])
+    (STEPS_DIR / f"{name}.json").unlink(missing_ok=True)
+    session.log(f"[{name}] {' '.join(cmd[1:])}  (log {rel(log_path)})")
+    start = last = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for line in proc.stdout:
+            log.write(line)
+            now = time.monotonic()
+            if line.startswith("nox >") or now - last >= 30:
+                last = now
+                session.log(f"[{name} {now - start:5.0f} s] {line.rstrip()[:160]}")
+        code = proc.wait()
+    duration = round(time.monotonic() - start, 1)
+    path = STEPS_DIR / f"{name}.json"
+    rec = json.loads(path.read_text()) if path.is_file() else {}
+    status = rec.get("status", "failed")
+    reason = rec.get("reason", "")
+    if code != 0 and status != "failed":
+        status, reason = "failed", f"nox exited {code}; {reason}".strip("; ")
+    elif code == 0 and not rec:
+        status, reason = "failed", "the step left no record in dist/steps/"
+    artifacts = dict(rec.get("artifacts", {}))
+    artifacts[rel(log_path)] = sha256(log_path)
+    session.log(f"[{name}] {status.upper()} in {duration:.0f} s {reason}".rstrip())
+    return {
+        "step": name,
+        "status": status,
+        "reason": reason,
+        "duration_s": duration,
+        "exit_code": code,
+        "log": rel(log_path),
+        "artifacts": artifacts,
+        "details": rec.get("details", {}),
+    }
+
+
+def markdown(record: dict) -> str:
+    lines = [
+        f"# Pipeline run record: {record['result']}",
+        "",
+        f"Started {record['started']}, finished {record['finished']} on {record['host']['node']}"
+        f" ({record['host']['machine']}, Python {record['host']['python']}); commit "
+        f"{record['git'].get('commit')} (dirty: {record['git'].get('dirty')}).",
+        "",
+        "| step | status | duration | reason | log |",
+        "|---|---|---|---|---|",
+    ]
+    for s in record["steps"]:
+        duration = f"{s['duration_s']:.0f} s" if "duration_s" in s else ""
+        reason = s.get("reason", "").replace("|", "\\|").replace("\n", " ")[:300]
+        lines.append(
+            f"| {s['step']} | {s['status']} | {duration} | {reason} | {s.get('log', '')} |"
+        )
+    lines += ["", "## Artifacts", "", "| step | artifact | SHA256 |", "|---|---|---|"]
+    for s in record["steps"]:
+        for path, digest in s.get("artifacts", {}).items():
+            lines.append(f"| {s['step']} | {path} | `{digest}` |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,130 @@
+"""Package build: compiles csrc/ into custom_esimd_kernels_vllm._qsa_cuda when nvcc is on PATH.
+
+Flags and contract macros come from build_targets.py (target ``cuda-sm90``) and nowhere else;
+this file adds only include directories and three build-info strings (arch, version, source
+SHA256) that bindings.cpp reports through build_info().
+
+* No nvcc (or ``QSA_SKIP_CUDA_BUILD=1``): the package installs without the compiled module
+  and says once that the PyTorch reference backend will be used.
+* Reproducible: nvcc runs in the repository root on relative paths, with no timestamps or
+  absolute paths in the flags, so two clean builds give the same DSO bytes.
+* Source SHA256: SHA256 of the ``sha256sum`` listing (``"<sha256>  <path>\\n"`` per file, sorted
+  by path) of every file under csrc/, i.e. ``sha256sum $(git ls-files csrc | sort) | sha256sum``,
+  computed from the files so it works without git.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from build_targets import TARGETS  # noqa: E402
+
+TARGET = TARGETS["cuda-sm90"]
+EXT_NAME = "custom_esimd_kernels_vllm._qsa_cuda"
+CSRC = "csrc"
+KERNEL_SOURCES = ("csrc/qsa/select_paged_tokens.cu", "csrc/qsa/sparse_paged_attention.cu")
+BINDINGS = "csrc/bindings.cpp"
+SKIP_ENV = "QSA_SKIP_CUDA_BUILD"
+
+
+def source_files(root: Path = ROOT) -> list[str]:
+    """Every file under csrc/, as sorted relative POSIX paths."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root / CSRC):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        for name in filenames:
+            files.append((Path(dirpath) / name).relative_to(root).as_posix())
+    return sorted(files)
+
+
+def source_sha256(root: Path = ROOT) -> str:
+    listing = "".join(
+        f"{hashlib.sha256((root / path).read_bytes()).hexdigest()}  {path}\n"
+        for path in source_files(root)
+    )
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def package_version() -> str:
+    text = (ROOT / "pyproject.toml").read_text()
+    match = re.search(r'^version\s*=\s*"([^"]+)"', text, re.M)
+    return match.group(1) if match else "unknown"
+
+
+def target_arch() -> str:
+    for flag in TARGET.arch_flags:
+        match = re.search(r"code=(sm_\w+)", flag)
+        if match:
+            return match.group(1)
+    return "unknown"
+
+
+def cuda_build_disabled() -> str:
+    """Why the CUDA module is not built, or "" when it is."""
+    if os.environ.get(SKIP_ENV, "") == "1":
+        return f"{SKIP_ENV}=1"
+    if shutil.which(TARGET.toolchain) is None:
+        return f"{TARGET.toolchain} not found on PATH"
+    return ""
+
+
+class BuildQsaCuda(build_ext):
+    """Builds the torch-free module with nvcc directly (no torch.utils.cpp_extension)."""
+
+    def build_extension(self, ext: Extension) -> None:
+        import pybind11
+
+        out = Path(self.get_ext_fullpath(ext.name)).resolve()
+        tmp = Path(self.build_temp).resolve() / "qsa_cuda"
+        tmp.mkdir(parents=True, exist_ok=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        nvcc = TARGET.toolchain
+        common = [
+            *TARGET.arch_flags,
+            *TARGET.flags,
+            *TARGET.macro_flags(),
+            f"-I{CSRC}",
+            f"-I{pybind11.get_include()}",
+            f"-I{sysconfig.get_paths()['include']}",
+        ]
+        info = [
+            f'-DQSA_ARCH="{target_arch()}"',
+            f'-DQSA_VERSION="{package_version()}"',
+            f'-DQSA_SOURCE_SHA256="{source_sha256()}"',
+        ]
+        objects = []
+        for src in (*KERNEL_SOURCES, BINDINGS):
+            obj = tmp / (Path(src).name + ".o")
+            extra = info if src == BINDINGS else []
+            self._run([nvcc, *common, *extra, "-c", src, "-o", str(obj)])
+            objects.append(str(obj))
+        # NOTES: nvcc links the CUDA runtime statically (its default), so the module depends
+        # on the driver only and works next to any torch build of the same major CUDA.
+        self._run([nvcc, *TARGET.arch_flags, "-shared", *objects, "-o", str(out)])
+
+    @staticmethod
+    def _run(cmd: list[str]) -> None:
+        print(" ".join(cmd), flush=True)
+        subprocess.run(cmd, cwd=ROOT, check=True)
+
+
+_disabled = cuda_build_disabled()
+if _disabled:
+    print(f"custom_esimd_kernels_vllm: CUDA kernels not built ({_disabled}); the PyTorch reference backend will be used")
+    ext_modules = []
+else:
+    ext_modules = [Extension(EXT_NAME, sources=[*KERNEL_SOURCES, BINDINGS])]
+
+setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildQsaCuda})
