@@ -20,6 +20,7 @@ import argparse
 import functools
 import hashlib
 import importlib.util
+import inspect
 import json
 import platform
 import shutil
@@ -30,6 +31,7 @@ import zipfile
 from pathlib import Path
 
 import nox
+import nox.command
 
 try:
     import tomllib
@@ -48,6 +50,7 @@ WORK = ROOT / ".work" / "pipeline"
 PROVENANCE = DIST / "provenance.json"
 IN_PACKAGE_PROVENANCE = ROOT / PACKAGE / "provenance.json"
 SHA256SUMS = DIST / "SHA256SUMS"
+IMAGES = ROOT / "docker" / "images.py"
 
 # NOTES: torch is pinned everywhere the pipeline installs it: an unpinned `torch` would resolve
 # to a multi-GB CUDA build, while 2.13.0 resolves to the CPU wheel on the CI hosts.
@@ -56,6 +59,8 @@ BUILD_REQUIREMENTS = ROOT / "docker" / "requirements-build.txt"
 CUDA_TOOLKIT = ROOT / "docker" / "cuda-toolkit.txt"
 # Sources whose SHA256s go into the manifest: everything that decides the DSO's bytes.
 PROVENANCE_SOURCES = ("csrc", "setup.py", "build_targets.py", "pyproject.toml")
+# The one build command (setup.py holds the compiler invocations, build_targets.py the flags).
+BUILD_COMMAND = ("python", "setup.py", "build_ext", "--inplace")
 # Order of `nox -s pipeline` (the design card's order).
 PIPELINE = (
     "lint",
@@ -135,6 +140,8 @@ def step(func):
         except BaseException as exc:
             if type(exc).__name__ == "_SessionSkip":
                 rec.write("skipped", " ".join(map(str, exc.args)))
+            elif type(exc).__name__ == "_SessionQuit":  # session.error(message)
+                rec.write("failed", " ".join(map(str, exc.args)))
             else:
                 rec.write("failed", f"{type(exc).__name__}: {exc}".strip())
             raise
@@ -203,7 +210,7 @@ def load_module(relpath: str):
 
 
 def images():
-    return load_module("docker/images.py")
+    return load_module("docker/images.py")  # export_tree only: the SDK lives in the session venv
 
 
 def provenance_module():
@@ -311,6 +318,11 @@ def built_dso() -> Path:
 
 def build_native(session: nox.Session, target: build_targets.Target) -> None:
     require_toolchain(session, target)
+    if target.toolchain != "nvcc":
+        session.error(
+            f"`{target.toolchain}` is here, but setup.py compiles only the CUDA sources of "
+            f"cuda-sm90: there are no SYCL sources for {target.name} in csrc/ yet"
+        )
     provenance = provenance_module()
 
     # A clean build every time: stale objects must never reach a wheel.
@@ -318,9 +330,14 @@ def build_native(session: nox.Session, target: build_targets.Target) -> None:
     for old in (ROOT / PACKAGE).glob("_qsa_cuda*.so"):
         old.unlink()
     IN_PACKAGE_PROVENANCE.unlink(missing_ok=True)
-    command = ["python", "setup.py", "--quiet", "build_ext", "--inplace"]
-    session.log(f"compiling {target.name} with {target.toolchain} (progress: one line per file)")
-    session.run(*command, env={"QSA_TARGET": target.name})
+    session.log(f"compiling {target.name} with {target.toolchain} (about a minute on 2 cores) ...")
+    start = time.monotonic()
+    output = session.run(*BUILD_COMMAND, silent=True)
+    # setup.py prints every compiler command it runs: the manifest keeps them verbatim.
+    commands = [ln for ln in output.splitlines() if ln.split(" ", 1)[0] == target.toolchain]
+    for line in commands:
+        session.log(f"  {line[:200]}{' ...' if len(line) > 200 else ''}")
+    session.log(f"compiled in {time.monotonic() - start:.0f} s")
     dso = built_dso()
     manifest = provenance.make_manifest(
         target={
@@ -335,7 +352,11 @@ def build_native(session: nox.Session, target: build_targets.Target) -> None:
         git=provenance.git_state(ROOT),
         dso_path=dso,
         root=ROOT,
-        build={"command": " ".join(command), "env": {"QSA_TARGET": target.name}, "container": None},
+        build={
+            "command": " ".join(BUILD_COMMAND),
+            "compiler_commands": commands,
+            "container": None,
+        },
         version=pyproject()["project"]["version"],
     )
     text = json.dumps(manifest, indent=2) + "\n"
@@ -348,79 +369,99 @@ def build_native(session: nox.Session, target: build_targets.Target) -> None:
     Step.current.details.update(target=target.name, dso_sha256=manifest["dso"]["sha256"])
 
 
+def build_image(session: nox.Session, image: str, requirements: list[str], **extra) -> str:
+    """Build ``image`` (and the base image when absent) through docker/images.py; its id."""
+    install(session, "docker")
+    result = WORK / f"{image}.json"
+    result.unlink(missing_ok=True)
+    cmd = ["python", str(IMAGES), "build", image, "--context", str(WORK / "ctx" / image)]
+    cmd += [f"--requirement={r}" for r in requirements]
+    cmd += [f"--extra-wheel={w}" for w in extra.get("wheels", [])]
+    cmd += [f"--extra-file={f}" for f in extra.get("files", [])]
+    session.run(*cmd, "--result", str(result), external=True)
+    return json.loads(result.read_text())["id"]
+
+
+def run_in_image(
+    session: nox.Session,
+    image: str,
+    command: str,
+    mounts: dict[Path, str],
+    workdir: str,
+    log: Path,
+    after=None,
+) -> None:
+    """Run ``command`` in a fresh, offline container of ``image``, output in ``log``; call
+    ``after()`` either way, then fail the session if the command failed."""
+    LOGS_DIR.mkdir(parents=True, exist_ok=True)
+    session.log(f"{image}: {command}  (log {rel(log)})")
+    cmd = ["python", str(IMAGES), "run", image, "--workdir", workdir, "--log", str(log)]
+    cmd += [f"--mount={host}:{guest}" for host, guest in mounts.items()]
+    try:
+        session.run(*cmd, command, external=True)
+        failed = False
+    except nox.command.CommandFailed:
+        failed = True
+    if log.is_file():
+        Step.current.artifact(log)
+    if after is not None:
+        after()
+    if failed:
+        tail = log.read_text(errors="replace").splitlines()[-15:] if log.is_file() else []
+        session.error(f"`{command}` failed inside {image}; see {rel(log)}:\n" + "\n".join(tail))
+
+
 def build_in_container(session: nox.Session, target: build_targets.Target) -> None:
     """Build inside the target's image by running this same session there (nox --no-venv), then
     compare the container's DSO with the native build's (made first when absent)."""
-    img = images()
-    try:
-        if target.container_image == "qsa-build-oneapi":
-            img.require_oneapi_repo()
-        client = img.connect(session.log)
-        img.ensure_base(client, session.log)
-        ctx = img.make_context(
-            target.container_image,
-            WORK / "ctx" / target.container_image,
-            requirements=[*requirements_file(BUILD_REQUIREMENTS), "nox"],
-            extra_files=[CUDA_TOOLKIT] if target.toolchain == "nvcc" else [],
-            extra_wheels=requirements_file(CUDA_TOOLKIT) if target.toolchain == "nvcc" else [],
-            log=session.log,
-        )
-        image_id = img.build_image(client, target.container_image, ctx, session.log)
-    except img.ImageError as exc:
-        session.error(str(exc))
-
-    if (
-        not PROVENANCE.is_file()
-        or json.loads(PROVENANCE.read_text())["target"]["name"] != target.name
+    cuda = target.toolchain == "nvcc"
+    image_id = build_image(
+        session,
+        target.container_image,
+        [*requirements_file(BUILD_REQUIREMENTS), "nox"],
+        wheels=requirements_file(CUDA_TOOLKIT) if cuda else [],
+        files=[CUDA_TOOLKIT] if cuda else [],
+    )
+    native = json.loads(PROVENANCE.read_text()) if PROVENANCE.is_file() else {}
+    if native.get("target", {}).get("name") != target.name or native.get("build", {}).get(
+        "container"
     ):
         session.log("no native build of this target yet: building it first for the comparison")
         install(session, "-r", str(BUILD_REQUIREMENTS))
         build_native(session, target)
-    native = json.loads(PROVENANCE.read_text())
+        native = json.loads(PROVENANCE.read_text())
 
-    # NOTES: the container builds at the same absolute path as this checkout: the compiler
-    # records the build directory (e.g. in debug info), so the path is part of the build input.
-    src = img.export_tree(WORK / "container-src")
+    # NOTES: the container builds at the same absolute path as this checkout, because nvcc
+    # derives the mangled names of anonymous namespaces from the source file's absolute path.
+    src = images().export_tree(WORK / "container-src")
     out = DIST / "container" / target.name
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    LOGS_DIR.mkdir(parents=True, exist_ok=True)
-    log_path = LOGS_DIR / f"build-container-{target.name}.log"
+    log = LOGS_DIR / f"build-container-{target.name}.log"
     command = (
         f"nox --no-venv -s build -- --target {target.name}"
         f" && cp dist/provenance.json {PACKAGE}/_qsa_cuda*.so /out/"
     )
-    session.log(f"building {target.name} in {target.container_image} (log {rel(log_path)}) ...")
-    code = img.run(
-        client,
-        target.container_image,
-        command,
-        mounts={str(src): str(ROOT), str(out): "/out"},
-        workdir=str(ROOT),
-        log_path=log_path,
-        log=session.log,
+    run_in_image(
+        session, target.container_image, command, {src: str(ROOT), out: "/out"}, str(ROOT), log
     )
-    Step.current.artifact(log_path)
-    if code != 0:
-        session.error(
-            f"the build in {target.container_image} failed (exit {code}); see {rel(log_path)}"
-        )
+    inside_dso = next(out.glob("_qsa_cuda*.so"))
     inside = json.loads((out / "provenance.json").read_text())
     inside["git"] = {**native["git"], "note": "exported from the host checkout"}
     inside["build"]["container"] = {"image": target.container_image, "image_id": image_id}
     (out / "provenance.json").write_text(json.dumps(inside, indent=2) + "\n")
     Step.current.artifact(out / "provenance.json")
-    Step.current.artifact(next(out.glob("_qsa_cuda*.so")))
+    Step.current.artifact(inside_dso)
 
-    comparison = compare_builds(native, inside, next(out.glob("_qsa_cuda*.so")))
+    comparison = compare_builds(native, inside, inside_dso)
     native["container"] = comparison
     PROVENANCE.write_text(json.dumps(native, indent=2) + "\n")
+    IN_PACKAGE_PROVENANCE.write_text(PROVENANCE.read_text())
     Step.current.artifact(PROVENANCE)
     Step.current.details.update(target=target.name, container=comparison)
-    verdict = "identical to" if comparison["identical"] else "DIFFERENT from"
-    session.log(
-        f"container DSO {comparison['sha256']} is {verdict} the native {native['dso']['sha256']}"
-    )
+    verdict = "IDENTICAL to" if comparison["identical"] else "DIFFERENT from"
+    session.log(f"container DSO {comparison['sha256']}")
+    session.log(f"is {verdict} the native DSO {native['dso']['sha256']}")
     for why in comparison["why"]:
         session.log(f"  why: {why}")
 
@@ -579,42 +620,19 @@ def verify(session: nox.Session) -> None:
 def image(session: nox.Session) -> None:
     """Focused image validation: build the CPU test image from the local base image and run the
     test suite (`nox --no-venv -s tests`) inside it, offline."""
-    img = images()
-    try:
-        client = img.connect(session.log)
-        img.ensure_base(client, session.log)
-        ctx = img.make_context(
-            "qsa-test-cpu",
-            WORK / "ctx" / "qsa-test-cpu",
-            requirements=[TORCH_PIN, *extras("test", "bench"), "nox"],
-            log=session.log,
-        )
-        img.build_image(client, "qsa-test-cpu", ctx, session.log)
-    except img.ImageError as exc:
-        session.error(str(exc))
-    src = img.export_tree(WORK / "image-src")
-    LOGS_DIR.mkdir(parents=True, exist_ok=True)
-    log_path = LOGS_DIR / "image-tests.log"
-    session.log(f"running the test suite in qsa-test-cpu (log {rel(log_path)}) ...")
-    code = img.run(
-        client,
-        "qsa-test-cpu",
-        "nox --no-venv -s tests",
-        mounts={str(src): "/src"},
-        workdir="/src",
-        log_path=log_path,
-        log=session.log,
-    )
-    Step.current.artifact(log_path)
-    inner = src / "dist" / "steps" / "tests.json"
-    if inner.is_file():
-        Step.current.details["tests_in_image"] = json.loads(inner.read_text())
-    if code != 0:
-        session.error(
-            f"the test suite failed inside qsa-test-cpu (exit {code}); see {rel(log_path)}"
-        )
-    tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
-    session.log("inside the image: " + " | ".join(tail))
+    build_image(session, "qsa-test-cpu", [TORCH_PIN, *extras("test", "bench"), "nox"])
+    src = images().export_tree(WORK / "image-src")
+    log = LOGS_DIR / "image-tests.log"
+
+    def keep_inner_record() -> None:
+        inner = src / "dist" / "steps" / "tests.json"
+        if inner.is_file():
+            Step.current.details["tests_in_image"] = json.loads(inner.read_text())
+
+    command = "nox --no-venv -s tests"
+    run_in_image(session, "qsa-test-cpu", command, {src: "/src"}, "/src", log, keep_inner_record)
+    summary = [ln for ln in log.read_text(errors="replace").splitlines() if " passed" in ln]
+    session.log("inside qsa-test-cpu: " + (summary[-1].strip("= ") if summary else "done"))
 
 
 @nox.session(python=False)
@@ -648,13 +666,19 @@ def bench(session: nox.Session) -> None:
 
 
 def delegated(module_path: str, name: str):
-    """A session implemented in another module (ci/nox_vllm.py, ci/nox_gsm8k.py)."""
+    """A session implemented in another module (ci/nox_vllm.py, ci/nox_gsm8k.py) as
+    ``name(session)`` or ``name(session, record)``; ``record`` has ``artifact(path)`` and
+    ``details``. Recorded as skipped ("not available yet") while the module is missing."""
 
     def session_func(session: nox.Session) -> None:
         module = load_module(module_path)
-        if module is None or not hasattr(module, name):
+        func = getattr(module, name, None)
+        if func is None:
             session.skip(f"not available yet: {module_path} does not define {name}(session)")
-        getattr(module, name)(session)
+        if len(inspect.signature(func).parameters) >= 2:
+            func(session, Step.current)
+        else:
+            func(session)
 
     session_func.__name__ = name
     session_func.__doc__ = f"Implemented by {module_path}:{name}(session)."

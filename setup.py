@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -37,6 +38,10 @@ CSRC = "csrc"
 KERNEL_SOURCES = ("csrc/qsa/select_paged_tokens.cu", "csrc/qsa/sparse_paged_attention.cu")
 BINDINGS = "csrc/bindings.cpp"
 SKIP_ENV = "QSA_SKIP_CUDA_BUILD"
+# NOTES: nvcc compiles host code from temporary files named after its process id
+# (tmpxft_<pid>_...cudafe1.cpp) and the host compiler records that name as a local file
+# symbol; dropping the static symbol table (.dynsym stays) makes two builds byte-identical.
+LINK_FLAGS = ("-Xlinker=--strip-all",)
 
 
 def source_files(root: Path = ROOT) -> list[str]:
@@ -100,19 +105,25 @@ class BuildQsaCuda(build_ext):
             f"-I{sysconfig.get_paths()['include']}",
         ]
         info = [
+            # NOTES: release build of the Python binding, as CPython's own extension flags do;
+            # without it pybind11's and Python's assert()s embed absolute header paths.
+            "-DNDEBUG",
             f'-DQSA_ARCH="{target_arch()}"',
             f'-DQSA_VERSION="{package_version()}"',
             f'-DQSA_SOURCE_SHA256="{source_sha256()}"',
         ]
-        objects = []
+        jobs = []
         for src in (*KERNEL_SOURCES, BINDINGS):
-            obj = tmp / (Path(src).name + ".o")
+            obj = str(tmp / (Path(src).name + ".o"))
             extra = info if src == BINDINGS else []
-            self._run([nvcc, *common, *extra, "-c", src, "-o", str(obj)])
-            objects.append(str(obj))
+            jobs.append(([nvcc, *common, *extra, "-c", src, "-o", obj], obj))
+        # The translation units are independent: compile them in parallel.
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            list(pool.map(self._run, [cmd for cmd, _ in jobs]))
+        objects = [obj for _, obj in jobs]
         # NOTES: nvcc links the CUDA runtime statically (its default), so the module depends
         # on the driver only and works next to any torch build of the same major CUDA.
-        self._run([nvcc, *TARGET.arch_flags, "-shared", *objects, "-o", str(out)])
+        self._run([nvcc, *TARGET.arch_flags, "-shared", *LINK_FLAGS, *objects, "-o", str(out)])
 
     @staticmethod
     def _run(cmd: list[str]) -> None:
@@ -120,11 +131,18 @@ class BuildQsaCuda(build_ext):
         subprocess.run(cmd, cwd=ROOT, check=True)
 
 
-_disabled = cuda_build_disabled()
-if _disabled:
-    print(f"custom_esimd_kernels_vllm: CUDA kernels not built ({_disabled}); the PyTorch reference backend will be used")
-    ext_modules = []
-else:
-    ext_modules = [Extension(EXT_NAME, sources=[*KERNEL_SOURCES, BINDINGS])]
+def main() -> None:
+    disabled = cuda_build_disabled()
+    if disabled:
+        print(
+            f"custom_esimd_kernels_vllm: CUDA kernels not built ({disabled}); "
+            "the PyTorch reference backend will be used"
+        )
+        ext_modules = []
+    else:
+        ext_modules = [Extension(EXT_NAME, sources=[*KERNEL_SOURCES, BINDINGS])]
+    setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildQsaCuda})
 
-setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildQsaCuda})
+
+if __name__ == "__main__":  # also true under pip / setuptools.build_meta
+    main()

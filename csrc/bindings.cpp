@@ -70,14 +70,15 @@ PYBIND11_MODULE(_qsa_cuda, m) {
       [](int device, ptr_t q, ptr_t kv, ptr_t logical_indices, ptr_t page_table,
          ptr_t token_to_req, ptr_t out, int64_t rows, int64_t requests, int64_t table_width,
          int64_t pages, int64_t indices_stride, int64_t page_table_stride, float softmax_scale,
-         ptr_t workspace, size_t workspace_bytes, ptr_t counters, ptr_t stream) {
+         int splits, ptr_t workspace, size_t workspace_bytes, ptr_t counters, ptr_t stream) {
         check(cudaSetDevice(device), "sparse_paged_attention: cudaSetDevice");
         const qsa::AttentionParams p{as_ptr<const void>(q), as_ptr<const void>(kv),
                                      as_ptr<const int32_t>(logical_indices),
                                      as_ptr<const int32_t>(page_table),
                                      as_ptr<const int32_t>(token_to_req), as_ptr<void>(out), rows,
                                      requests, table_width, pages, indices_stride,
-                                     page_table_stride, softmax_scale, as_ptr<void>(workspace),
+                                     page_table_stride, softmax_scale, splits,
+                                     as_ptr<void>(workspace),
                                      workspace_bytes, as_ptr<int32_t>(counters)};
         check(qsa::sparse_paged_attention(p, as_ptr<CUstream_st>(stream)),
               "sparse_paged_attention");
@@ -85,15 +86,17 @@ PYBIND11_MODULE(_qsa_cuda, m) {
       py::arg("device"), py::arg("q"), py::arg("kv"), py::arg("logical_indices"),
       py::arg("page_table"), py::arg("token_to_req"), py::arg("out"), py::arg("rows"),
       py::arg("requests"), py::arg("table_width"), py::arg("pages"), py::arg("indices_stride"),
-      py::arg("page_table_stride"), py::arg("softmax_scale"), py::arg("workspace"),
+      py::arg("page_table_stride"), py::arg("softmax_scale"), py::arg("splits"),
+      py::arg("workspace"),
       py::arg("workspace_bytes"), py::arg("counters"), py::arg("stream"));
 
   m.def("select_workspace_bytes", &qsa::select_workspace_bytes, py::arg("rows"),
         py::arg("table_width"));
   m.def("select_launch_count", &qsa::select_launch_count, py::arg("rows"), py::arg("table_width"));
-  m.def("attention_splits", &qsa::attention_splits, py::arg("rows"), py::arg("device"));
-  m.def("attention_workspace_bytes", &qsa::attention_workspace_bytes, py::arg("rows"),
+  m.def("attention_splits", &qsa::attention_splits, py::arg("rows"), py::arg("requested"),
         py::arg("device"));
+  m.def("attention_workspace_bytes", &qsa::attention_workspace_bytes, py::arg("rows"),
+        py::arg("requested"), py::arg("device"));
   m.def("attention_counter_slots", &qsa::attention_counter_slots);
   m.def("attention_launch_count", &qsa::attention_launch_count, py::arg("rows"));
 

@@ -1,8 +1,10 @@
 """Container images of the pipeline, driven through the docker Python SDK.
 
-Loaded by ``noxfile.py`` (by path: this directory is not a package, and ``docker`` is the SDK's
-name). The SDK speaks to docker, or to podman's docker-compatible service
-(``podman system service``), through ``DOCKER_HOST``.
+Run by the nox sessions ``image`` and ``build --container`` inside their virtualenv, which holds
+the SDK (``python docker/images.py build|run ...``); ``noxfile.py`` also loads this file by path
+for :func:`export_tree` (the SDK is imported only when an engine is needed). The SDK speaks to
+docker, or to podman's docker-compatible service (``podman system service``), through
+``DOCKER_HOST``.
 
 Images (recipes ``docker/<name>.Dockerfile``; every one starts FROM the local base image):
 
@@ -18,6 +20,9 @@ need no package index and install exactly the versions the native steps use.
 
 from __future__ import annotations
 
+import argparse
+import json
+import logging
 import os
 import shutil
 import subprocess
@@ -59,6 +64,8 @@ def connect(log: Log = print):
         import docker  # the SDK
     except ImportError as exc:
         raise ImageError("the docker Python SDK is not installed (pip install docker)") from exc
+    for name in ("docker", "urllib3"):  # their request-level DEBUG lines are noise here
+        logging.getLogger(name).setLevel(logging.WARNING)
     if "DOCKER_HOST" not in os.environ and not Path("/var/run/docker.sock").exists():
         for sock in PODMAN_SOCKETS:
             if Path(sock).exists():
@@ -188,12 +195,13 @@ def run(
     log: Log = print,
     heartbeat_s: float = 30.0,
 ) -> int:
-    """Run ``bash -lc command`` in a fresh container; stream its output to ``log_path`` with a
-    progress line every ``heartbeat_s`` seconds; remove the container; return its exit code."""
+    """Run ``bash -c command`` in a fresh, offline container; stream its output to ``log_path``
+    with a progress line every ``heartbeat_s`` seconds; remove the container; return its exit
+    code. (Not ``bash -l``: Debian's /etc/profile would reset the image's PATH.)"""
     volumes = {host: {"bind": guest, "mode": "rw"} for host, guest in mounts.items()}
     container = client.containers.run(
         image,
-        ["bash", "-lc", command],
+        ["bash", "-c", command],
         volumes=volumes,
         working_dir=workdir,
         environment=env or {},
@@ -276,3 +284,55 @@ def export_tree(dest: Path, root: Path = ROOT) -> Path:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, dest / rel, follow_symlinks=False)
     return dest
+
+
+# --------------------------------------------------------------------------------------------
+# Command line (what the nox sessions call)
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python docker/images.py", description=__doc__.split("\n")[0]
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="make the base image if needed, then build IMAGE")
+    b.add_argument("image")
+    b.add_argument("--context", type=Path, required=True, help="scratch directory for the context")
+    b.add_argument("--requirement", action="append", default=[], help="installed in the image")
+    b.add_argument("--extra-wheel", action="append", default=[], help="fetched, not pip-installed")
+    b.add_argument("--extra-file", action="append", default=[], type=Path)
+    b.add_argument("--result", type=Path, required=True, help="JSON written here: image, id")
+    r = sub.add_parser("run", help="run a command in a fresh container of IMAGE")
+    r.add_argument("image")
+    r.add_argument("--mount", action="append", default=[], help="HOST:GUEST (read-write)")
+    r.add_argument("--workdir", required=True)
+    r.add_argument("--log", type=Path, required=True)
+    r.add_argument("command")
+    args = parser.parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    try:
+        if args.cmd == "build":
+            if args.image == "qsa-build-oneapi":
+                require_oneapi_repo()
+            client = connect(log)
+            ensure_base(client, log)
+            ctx = make_context(
+                args.image, args.context, args.requirement, args.extra_file, args.extra_wheel, log
+            )
+            image_id = build_image(client, args.image, ctx, log)
+            args.result.write_text(json.dumps({"image": args.image, "id": image_id}) + "\n")
+            return 0
+        client = connect(log)
+        mounts = dict(m.rsplit(":", 1) for m in args.mount)
+        return run(client, args.image, args.command, mounts, args.workdir, args.log, log=log)
+    except ImageError as exc:
+        print(f"images: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

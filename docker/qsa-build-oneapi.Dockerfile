@@ -24,7 +24,9 @@ RUN python3 -m venv /opt/venv \
       -r /tmp/requirements.txt \
  && rm -rf /tmp/wheels
 
-# setvars.sh is what Intel documents; the build runs through bash -lc so that it is sourced.
-RUN echo '. /opt/intel/oneapi/setvars.sh >/dev/null' >> /etc/profile.d/oneapi.sh
-ENV PATH=/opt/venv/bin:$PATH \
+# setvars.sh is Intel's documented environment; BASH_ENV sources it in every `bash -c` the
+# pipeline runs in this image.
+RUN echo '. /opt/intel/oneapi/setvars.sh >/dev/null 2>&1' > /etc/oneapi-env.sh
+ENV BASH_ENV=/etc/oneapi-env.sh \
+    PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1

@@ -68,16 +68,18 @@ struct AttentionParams {
   int64_t indices_stride;          // elements between logical_indices rows
   int64_t page_table_stride;       // elements between page_table rows
   float softmax_scale;
-  void* workspace;                 // >= attention_workspace_bytes(rows, ...) bytes
+  int splits;                      // CTAs per row; 0 = attention_splits(rows, device)
+  void* workspace;                 // >= attention_workspace_bytes(rows, splits, device) bytes
   size_t workspace_bytes;
   int32_t* counters;               // >= attention_counter_slots() int32, zero on first use;
                                    // every call leaves them zero again
 };
 
 // How many CTAs share one row (the split of the 2051 columns); 1 for large R.
-int attention_splits(int64_t rows, int device);
+// requested > 0 overrides the heuristic (clamped to what the kernel supports).
+int attention_splits(int64_t rows, int requested, int device);
 // Scratch for the per-split partial results (0 when splits == 1).
-size_t attention_workspace_bytes(int64_t rows, int device);
+size_t attention_workspace_bytes(int64_t rows, int requested, int device);
 // Row-completion counters the last-CTA merge needs.
 int64_t attention_counter_slots();
 int64_t attention_launch_count(int64_t rows);

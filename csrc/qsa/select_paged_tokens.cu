@@ -21,7 +21,10 @@
 #include "qsa.h"
 
 namespace qsa {
-namespace {
+// NOTES: a named namespace, not an anonymous one: nvcc names anonymous-namespace kernels
+// after a hash of the source's absolute path, which would make the DSO depend on where it
+// was built.
+namespace select_impl {
 
 using detail::half8_to_float;
 using detail::load8;
@@ -422,7 +425,9 @@ cudaError_t raise_smem_limit() {
   return err;
 }
 
-}  // namespace
+}  // namespace select_impl
+
+using namespace select_impl;
 
 size_t select_workspace_bytes(int64_t rows, int64_t table_width) {
   if (rows <= 0 || table_width <= 0) return 0;

@@ -17,7 +17,10 @@
 #include "qsa.h"
 
 namespace qsa {
-namespace {
+// NOTES: a named namespace, not an anonymous one: nvcc names anonymous-namespace kernels
+// after a hash of the source's absolute path, which would make the DSO depend on where it
+// was built.
+namespace attention_impl {
 
 using detail::half8_to_float;
 using detail::load8;
@@ -298,10 +301,18 @@ int chunk_for(int splits) {
   return ((c + kMinChunk - 1) / kMinChunk) * kMinChunk;
 }
 
-}  // namespace
+}  // namespace attention_impl
 
-int attention_splits(int64_t rows, int device) {
+using namespace attention_impl;
+
+int attention_splits(int64_t rows, int requested, int device) {
   if (rows <= 0 || rows > kCounterSlots) return 1;
+  if (requested > 0) {
+    // Only splits whose chunks are all non-empty (chunk_for rounds up to 32 columns).
+    int sp = std::min(requested, kMaxSplits);
+    while (sp > 1 && (kWidth + chunk_for(sp) - 1) / chunk_for(sp) != sp) --sp;
+    return sp;
+  }
   // NOTES: choose the split that minimises (waves x columns per CTA) + a merge cost of
   // kMergeCost columns per partial; 2 CTAs of 256 threads fit per SM (register-bound).
   // R=1 -> 16 splits of 129 columns, R=64 -> 4, R>=264 -> 1 on a 132-SM H200.
@@ -323,8 +334,8 @@ int attention_splits(int64_t rows, int device) {
   return best;
 }
 
-size_t attention_workspace_bytes(int64_t rows, int device) {
-  const int sp = attention_splits(rows, device);
+size_t attention_workspace_bytes(int64_t rows, int requested, int device) {
+  const int sp = attention_splits(rows, requested, device);
   if (sp <= 1) return 0;
   return static_cast<size_t>(rows) * sp * kPartStride * sizeof(float);
 }
@@ -338,9 +349,10 @@ cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  const int splits = attention_splits(p.rows, device);
+  const int splits = attention_splits(p.rows, p.splits, device);
   if (splits > 1) {
-    if (p.workspace_bytes < attention_workspace_bytes(p.rows, device) || p.counters == nullptr) {
+    if (p.workspace_bytes < attention_workspace_bytes(p.rows, p.splits, device) ||
+        p.counters == nullptr) {
       return cudaErrorInvalidValue;
     }
   }

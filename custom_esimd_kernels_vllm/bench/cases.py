@@ -2,18 +2,23 @@
 
 Two groups of cases:
 
-* ``seed``: the shapes the original SYCL change reported — attention at R=1 with valid widths
-  32, 1024 and 2051, and selection "cross-page tail" (519 visible tokens = 129 blocks + 3 tail
-  tokens) and "P8192 saturated" (a pool of 8,192 physical pages; 9,215 visible tokens =
-  2,303 blocks, so the 2,051-wide row is full).
+* ``seed``: the shapes the original SYCL change reported, built by ``qsa_ops.testing`` (the
+  same cases the test suites check): attention at R=1 with valid widths 32, 1024 and 2051
+  (one request of 8 pages; width 1024 is the full-width case with entries 1024.. turned into
+  holes), selection "cross-page tail" (519 visible tokens = 129 blocks + 3 tail tokens) and
+  "P8192 saturated" (a pool of 8,192 physical pages; 9,215 visible tokens = 2,303 blocks, so
+  the 2,051-wide row is full). Random float16 data (not the small-integer variant).
 * ``scale``: rows R in {1, 8, 64, 256} times context C in {8K, 32K, 128K} tokens, for both
-  operators. Each row is one decode request (B = R) whose query sees all C tokens. For
-  attention every row lists 2,051 distinct valid tokens drawn from its C tokens, so C only
-  changes the page table (M = C / 512 pages per request) and the pool size; for selection C
-  is the work: C / 4 blocks are scored per row.
+  operators, built here. Each row is one decode request (B = R) whose query sees all C
+  tokens. For attention every row lists 2,051 distinct valid tokens drawn from its C tokens,
+  so C only changes the page table (M = C / 512 pages per request) and the pool size; for
+  selection C is the work: C / 4 blocks are scored per row.
 
-Inputs are random (float16 normal values, random page tables), made on the target device with
-a seeded generator so that every run measures the same data.
+NOTES: the scale inputs are generated here rather than with ``qsa_ops.testing``'s scale
+builders for two reasons: those put every row on one request (rows then share most of their
+tokens, which an L2 cache serves: not a decode batch), and they draw on the CPU, which for
+the 2 GiB pools of R=256 x 128K takes longer than the measurement. Here the data is drawn on
+the target device with a seeded generator, so every run measures the same data.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ SCALE_CONTEXTS = (8 * 1024, 32 * 1024, 128 * 1024)
 # most 513 MiB) still land on random pages, so the cap changes neither the bytes a kernel
 # must read nor its access pattern.
 ATTENTION_POOL_CAP = 4096
-SEED_ATTENTION_CONTEXT = 8 * 1024  # 16 pages: the seed widths spread over several pages
+SEED_ATTENTION_CONTEXT = 8 * KV_PAGE  # qsa_ops.testing's valid-width cases: 8 pages
 SEED_P8192_POOL = 8192
 
 
@@ -64,6 +69,8 @@ class CaseSpec:
     width: int = WIDTH  # attention: valid entries per row (the rest are -1 holes)
     pool_pages: int | None = None  # physical pages P; None = derived (see builders)
     profile: bool = False  # capture the profiler counts on this case
+    target: bool = False  # a case of the kernels' performance table (torch.compile runs here)
+    testing_case: str | None = None  # the qsa_ops.testing seed case it is built from
 
     @property
     def key(self) -> str:
@@ -79,6 +86,8 @@ class CaseSpec:
             "width": self.width,
             "pool_pages": self.pool_pages,
             "profile": self.profile,
+            "target": self.target,
+            "testing_case": self.testing_case,
         }
 
 
@@ -90,25 +99,39 @@ def seed_cases() -> list[CaseSpec]:
     attention = [
         CaseSpec(
             ATTENTION, "seed", f"seed R=1 width {w}", 1, SEED_ATTENTION_CONTEXT, width=w,
-            profile=(w == WIDTH),
+            profile=(w == WIDTH), target=(w == WIDTH), testing_case=testing_name,
         )
-        for w in (32, 1024, WIDTH)
+        for w, testing_name in ((32, "valid_width_32"), (1024, "full_width_2051"), (WIDTH, "full_width_2051"))
     ]  # fmt: skip
     selection = [
-        CaseSpec(SELECTION, "seed", "seed cross-page tail (129 blocks / 519 tokens)", 1, 519),
+        CaseSpec(
+            SELECTION, "seed", "seed cross-page tail (129 blocks / 519 tokens)", 1, 519,
+            testing_case="cross_page_tail",
+        ),
         CaseSpec(
             SELECTION, "seed", "seed P8192 saturated (2303 blocks / 2051 tokens)", 1,
-            2303 * COMPRESS_RATIO + 3, pool_pages=SEED_P8192_POOL, profile=True,
+            2303 * COMPRESS_RATIO + 3, pool_pages=SEED_P8192_POOL, profile=True, target=True,
+            testing_case="p8192_saturated",
         ),
     ]  # fmt: skip
     return attention + selection
+
+
+# The scale cases of the kernels' performance table (rows, context); the seed targets are
+# "seed R=1 width 2051" and "seed P8192 saturated".
+SCALE_TARGETS = {
+    ATTENTION: {(64, 32 * 1024), (256, 32 * 1024)},
+    SELECTION: {(1, 128 * 1024), (64, 32 * 1024)},
+}
 
 
 def scale_cases(
     rows: tuple[int, ...] = SCALE_ROWS, contexts: tuple[int, ...] = SCALE_CONTEXTS
 ) -> list[CaseSpec]:
     return [
-        CaseSpec(op, "scale", f"R={r} ctx={_ctx_label(c)}", r, c)
+        CaseSpec(
+            op, "scale", f"R={r} ctx={_ctx_label(c)}", r, c, target=(r, c) in SCALE_TARGETS[op]
+        )
         for op in OPS
         for r in rows
         for c in contexts
@@ -116,10 +139,12 @@ def scale_cases(
 
 
 def quick_cases() -> list[CaseSpec]:
-    """A tiny grid for the CPU reference (CI proves the harness): two rows, two contexts."""
+    """A tiny grid for the CPU reference (CI proves the harness): two seeds, then two rows
+    times two contexts per operator."""
+    seeds = {c.name: c for c in seed_cases()}
     return [
-        CaseSpec(ATTENTION, "quick", "seed R=1 width 32", 1, 4096, width=32),
-        CaseSpec(SELECTION, "quick", "seed cross-page tail (129 blocks / 519 tokens)", 1, 519),
+        seeds["seed R=1 width 32"],
+        seeds["seed cross-page tail (129 blocks / 519 tokens)"],
     ] + [
         CaseSpec(op, "quick", f"R={r} ctx={_ctx_label(c)}", r, c, profile=(r == 1 and c == 4096))
         for op in OPS
@@ -266,6 +291,40 @@ def build_selection(spec: CaseSpec, device: torch.device, seed: int = 0) -> Case
     return CaseInputs(SELECTION, tensors, "compressed_key_cache")
 
 
+def build_seed(spec: CaseSpec, device: torch.device, seed: int = 0) -> CaseInputs:
+    """A seed case from ``qsa_ops.testing`` (random float16 data), as CaseInputs."""
+    from ..qsa_ops import testing
+
+    if spec.op == ATTENTION:
+        case = testing.make_attention_case(spec.testing_case, spec.rows, device, seed)
+        pages = case.k_cache.shape[0]
+        lead = case.k_cache.storage_offset()
+        kv = case.kv[lead : lead + pages * KV_PAGE * 2 * HEAD_DIM].view(
+            pages, KV_PAGE, 2 * HEAD_DIM
+        )
+        indices = case.logical_indices.clone()
+        indices[:, spec.width :] = -1  # width 1024: the full-width case cut to 1024 entries
+        k_cache, v_cache = packed_kv_views(kv)
+        tensors = {
+            "q": case.q,
+            "kv": kv,
+            "k_cache": k_cache,
+            "v_cache": v_cache,
+            "logical_indices": indices,
+            "page_table": case.page_table,
+            "token_to_req": case.token_to_req,
+            "out": case.out,
+        }
+        return CaseInputs(ATTENTION, tensors, "kv")
+    case = testing.make_select_case(spec.testing_case, spec.rows, device, seed, integer=False)
+    names = ("q", "compressed_key_cache", "page_table", "token_to_req", "query_positions",
+             "sequence_lengths", "out")  # fmt: skip
+    return CaseInputs(SELECTION, {n: getattr(case, n) for n in names}, "compressed_key_cache")
+
+
 def build(spec: CaseSpec, device: torch.device, seed: int = 0) -> CaseInputs:
+    device = torch.device(device)
+    if spec.testing_case:
+        return build_seed(spec, device, seed)
     builder = build_attention if spec.op == ATTENTION else build_selection
-    return builder(spec, torch.device(device), seed)
+    return builder(spec, device, seed)

@@ -23,10 +23,23 @@ def device_slug(device: torch.device) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cuda"
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def l2_bytes(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
-    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)) or DEFAULT_L2_BYTES
+    return (
+        int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))
+        or DEFAULT_L2_BYTES
+    )
 
 
 def git_commit(root: Path) -> dict[str, object]:
@@ -71,13 +84,15 @@ def collect(device: torch.device, commit: str | None = None) -> dict[str, object
     info: dict[str, object] = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu_threads": torch.get_num_threads(),
-        "git": {"commit": commit, "dirty": None, "source": "--commit"} if commit else git_commit(root),
+        "git": {"commit": commit, "dirty": None, "source": "--commit"}
+        if commit
+        else git_commit(root),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

@@ -2,8 +2,8 @@
 
 ``kernel``          the public ``qsa_ops`` operator on the compiled CUDA backend (validation,
                     custom-op dispatch and the kernel launch: what a caller pays)
-``ref-compiled``    ``torch.compile`` of the PyTorch reference (one compiled function per
-                    operator; dynamo keeps one graph per shape guard, i.e. per case shape)
+``ref-compiled``    ``torch.compile(fullgraph=True, dynamic=False)`` of the PyTorch reference,
+                    called on row chunks (see ``compiled_call``); one graph per chunk shape
 ``ref-vectorised``  the PyTorch reference, ``qsa_ops.reference`` (no host sync)
 ``ref-rowwise``     BASELINE ONLY: the row-by-row loop with host syncs (``bench.rowwise``);
                     eager only (it cannot be captured in a CUDA graph)
@@ -21,7 +21,17 @@ import torch
 
 from .. import qsa_ops
 from ..qsa_ops import dispatch, reference
-from ..qsa_ops.contract import COMPRESS_RATIO, KV_PAGE, TOKEN_TOPK
+from ..qsa_ops.contract import (
+    ATTN_HEADS,
+    CK_PAGE,
+    COMPRESS_RATIO,
+    HEAD_DIM,
+    INDEX_DIM,
+    INDEX_HEADS,
+    KV_PAGE,
+    TOKEN_TOPK,
+    WIDTH,
+)
 from . import rowwise
 from .cases import ATTENTION
 
@@ -88,7 +98,7 @@ _COMPILED: dict[str, Callable] = {}
 
 def _configure_dynamo() -> None:
     # NOTES: one compiled function serves every case of an operator; dynamo recompiles per
-    # new shape guard and, past its default limit of 8, would silently fall back to eager.
+    # new shape and, past its default limit of 8, would silently fall back to eager.
     import torch._dynamo.config as cfg
 
     for name in ("recompile_limit", "cache_size_limit"):
@@ -105,8 +115,49 @@ def compiled_reference(op: str) -> Callable:
             if op == ATTENTION
             else reference.select_paged_tokens_ref
         )
-        _COMPILED[op] = torch.compile(fn, fullgraph=True)
+        _COMPILED[op] = torch.compile(fn, fullgraph=True, dynamic=False)
     return _COMPILED[op]
+
+
+# NOTES: the reference processes rows in chunks of about 2**24 float32 elements (64 MiB
+# temporaries) with a Python loop; traced whole, dynamo unrolls that loop (26 chunk bodies at
+# attention R=256), and Inductor's compile time grows with it. Rows are independent, so the
+# compiled reference is called per row chunk of the same size instead, rounded down to a
+# power of two so that it divides every R of the grid: one graph per case, not 26.
+CHUNK_ELEMENTS = 1 << 24
+_ROW_NAMES = {  # the row-indexed arguments (sliced per chunk); the others are shared
+    ATTENTION: ("q", "logical_indices", "token_to_req", "out"),
+    "selection": ("q", "token_to_req", "query_positions", "out"),
+}
+
+
+def rows_per_chunk(op: str, a: Args) -> int:
+    if op == ATTENTION:
+        per_row = ATTN_HEADS * WIDTH * HEAD_DIM
+    else:
+        per_row = INDEX_HEADS * INDEX_DIM * a["page_table"].shape[1] * CK_PAGE
+    limit = max(1, CHUNK_ELEMENTS // max(1, per_row))
+    return 1 << (limit.bit_length() - 1)
+
+
+def compiled_call(op: str) -> Callable[[Args], object]:
+    fn = compiled_reference(op)
+    pick = _attention_args if op == ATTENTION else _selection_args
+    names = _ROW_NAMES[op]
+
+    def call(a: Args) -> object:
+        rows = a["q"].shape[0]
+        step = rows_per_chunk(op, a)
+        if step >= rows:
+            return fn(*pick(a), a["out"])
+        for start in range(0, rows, step):
+            part = dict(a)
+            for n in names:
+                part[n] = a[n][start : start + step]
+            fn(*pick(part), part["out"])
+        return a["out"]
+
+    return call
 
 
 def make(name: str, op: str) -> Impl:
@@ -129,8 +180,7 @@ def make(name: str, op: str) -> Impl:
         )
         return Impl(name, lambda a: fn(*pick(a), a["out"]), graphable=True)
     if name == REF_COMPILED:
-        fn = compiled_reference(op)
-        return Impl(name, lambda a: fn(*pick(a), a["out"]), graphable=True)
+        return Impl(name, compiled_call(op), graphable=True)
     if name == REF_ROWWISE:
         fn = (
             rowwise.sparse_paged_attention_rowwise
@@ -145,17 +195,18 @@ def select(
     op: str,
     rows: int,
     device: torch.device,
-    compile_reference: bool,
+    compile_skip: str | None,
     rowwise_max_rows: int = ROWWISE_MAX_ROWS,
     only: tuple[str, ...] = ALL,
 ) -> tuple[list[Impl], dict[str, str]]:
-    """(implementations to run, {skipped name: reason}) for one case."""
+    """(implementations to run, {skipped name: reason}) for one case; ``compile_skip`` is
+    the reason not to run the compiled reference here (None: run it)."""
     skipped: dict[str, str] = {}
     ok, reason = kernel_status(device)
     if not ok:
         skipped[KERNEL] = reason
-    if not compile_reference:
-        skipped[REF_COMPILED] = "torch.compile disabled (--no-compile; --quick skips it for time)"
+    if compile_skip:
+        skipped[REF_COMPILED] = compile_skip
     if rows > rowwise_max_rows:
         skipped[REF_ROWWISE] = f"row loop with host syncs: run only for R <= {rowwise_max_rows}"
     for name in ALL:

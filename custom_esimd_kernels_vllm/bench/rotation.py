@@ -94,6 +94,16 @@ def remap_page_table(
     return mapped.to(table.dtype).contiguous()
 
 
+def used_pages(inputs: CaseInputs) -> torch.Tensor:
+    """Sorted distinct physical pages the page table references (valid entries only)."""
+    table = inputs.tensors["page_table"].long()
+    return torch.unique(table[(table >= 0) & (table < inputs.pages)])
+
+
+def page_bytes(inputs: CaseInputs) -> int:
+    return inputs.pool[0].numel() * inputs.pool.element_size() if inputs.pages else 0
+
+
 def make_copies(
     inputs: CaseInputs, rotation: RotationPlan, seed: int = 0
 ) -> tuple[list[dict[str, torch.Tensor]], dict[str, object]]:
@@ -102,8 +112,7 @@ def make_copies(
     pool = inputs.pool
     pages = pool.shape[0]
     device = pool.device
-    table = t["page_table"].long()
-    used = torch.unique(table[(table >= 0) & (table < pages)])
+    used = used_pages(inputs)
     compact = int(used.numel())
     ranks = torch.zeros(max(pages, 1), dtype=torch.long, device=device)
     if compact:

@@ -97,14 +97,11 @@ class Comparison:
     drift_pct: (
         float  # second baseline vs first, mean over pairs: 100 * (sum(after) / sum(before) - 1)
     )
-    baseline: Summary  # both baseline units of every pair
-    candidate: Summary
+    baseline_latency: Summary  # both baseline units of every pair
+    candidate_latency: Summary
 
     def to_dict(self) -> dict[str, object]:
-        d = asdict(self)
-        d["baseline"] = self.baseline.to_dict()
-        d["candidate"] = self.candidate.to_dict()
-        return d
+        return asdict(self)
 
 
 def compare(pairs: Sequence[Pair]) -> Comparison:
@@ -120,6 +117,8 @@ def compare(pairs: Sequence[Pair]) -> Comparison:
         speedup_p90=quantile(speedups, 0.9),
         wins=sum(p.win for p in pairs),
         drift_pct=100.0 * (after / before - 1.0) if before > 0 else math.nan,
-        baseline=summarize([x for p in pairs for x in (p.baseline_before, p.baseline_after)]),
-        candidate=summarize([p.candidate for p in pairs]),
+        baseline_latency=summarize(
+            [x for p in pairs for x in (p.baseline_before, p.baseline_after)]
+        ),
+        candidate_latency=summarize([p.candidate for p in pairs]),
     )

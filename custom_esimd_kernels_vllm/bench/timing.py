@@ -121,7 +121,6 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int, reps: int = 10) ->
     synchronize(device)
     times = [time_block(lambda: dst.copy_(src), device) for _ in range(reps)]
     median = statistics.median(times)
-    del src, dst
     return {
         "bytes_copied": nbytes,
         "bytes_moved": 2 * nbytes,

@@ -119,7 +119,8 @@ def sparse_paged_attention(
         check_storage=not compiling,
     )
     call = torch.ops.qsa.sparse_paged_attention if compiling else _validated_attention
-    call(q, k_cache, v_cache, logical_indices, page_table, token_to_req, page_size, out, scale)
+    kv = contract.packed_kv_buffer(k_cache)
+    call(q, kv, logical_indices, page_table, token_to_req, page_size, out, scale)
     return out
 
 

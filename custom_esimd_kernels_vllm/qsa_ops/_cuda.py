@@ -16,6 +16,7 @@ like any intermediate tensor of a captured region); warm up once before capture 
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -30,6 +31,7 @@ except ImportError as exc:  # pragma: no cover - depends on the build
     _ext = None
     _IMPORT_ERROR = str(exc)
 
+SPLITS_ENV = "QSA_ATTN_SPLITS"
 REQUIRED_CAPABILITY = (9, 0)  # built for sm_90a only (build_targets.py: cuda-sm90)
 _INT32_MAX = 2**31 - 1
 
@@ -37,7 +39,10 @@ _INT32_MAX = 2**31 - 1
 def available() -> tuple[bool, str]:
     """(True, "") when the kernels can run on the current CUDA device, else (False, reason)."""
     if _ext is None:
-        return False, f"compiled module custom_esimd_kernels_vllm._qsa_cuda not built ({_IMPORT_ERROR})"
+        return (
+            False,
+            f"compiled module custom_esimd_kernels_vllm._qsa_cuda not built ({_IMPORT_ERROR})",
+        )
     if not torch.cuda.is_available():
         return False, "torch sees no CUDA device"
     try:
@@ -109,6 +114,17 @@ def _counters(ws: _Workspace, device: torch.device, slots: int) -> torch.Tensor:
         return torch.zeros(slots, dtype=torch.int32, device=device)
     ws.counters = torch.zeros(slots, dtype=torch.int32, device=device)
     return ws.counters
+
+
+def _requested_splits() -> int:
+    """QSA_ATTN_SPLITS: CTAs per attention row (tuning knob; 0 or unset = heuristic)."""
+    value = os.environ.get(SPLITS_ENV, "").strip()
+    if not value:
+        return 0
+    try:
+        return max(0, int(value))
+    except ValueError:
+        raise ValueError(f"{SPLITS_ENV} must be a non-negative integer, got {value!r}") from None
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -187,7 +203,8 @@ def sparse_paged_attention(
     device = q.device
     stream = _stream(device)
     ws = _workspace(device, stream)
-    scratch = _scratch(ws, device, _ext.attention_workspace_bytes(rows, device.index))
+    splits = _requested_splits()
+    scratch = _scratch(ws, device, _ext.attention_workspace_bytes(rows, splits, device.index))
     counters = _counters(ws, device, _ext.attention_counter_slots())
     _ext.sparse_paged_attention(
         device=device.index,
@@ -204,11 +221,18 @@ def sparse_paged_attention(
         indices_stride=logical_indices.stride(0) if rows else logical_indices.shape[1],
         page_table_stride=page_table.stride(0) if requests else table_width,
         softmax_scale=float(softmax_scale),
+        splits=splits,
         workspace=_ptr(scratch),
         workspace_bytes=0 if scratch is None else scratch.numel(),
         counters=counters.data_ptr(),
         stream=stream,
     )
+
+
+def attention_splits(rows: int, device: torch.device | None = None) -> int:
+    """CTAs that share one attention row for ``rows`` rows on ``device``."""
+    index = torch.cuda.current_device() if device is None else torch.device(device).index
+    return int(_ext.attention_splits(rows, _requested_splits(), index))
 
 
 def launch_counts(rows: int, table_width: int) -> dict[str, int]:

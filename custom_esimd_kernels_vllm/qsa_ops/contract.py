@@ -6,12 +6,12 @@ Every public call is validated here *before* any backend runs, in one fixed orde
 1. argument types   (tensor / int / float; TypeError)
 2. device           (all tensors on the device of ``q``)
 3. dtype            (TypeError)
-4. layout           (contiguity; K/V: exact strides and V storage offset = K's + 256)
+4. layout           (contiguity; K/V: exact strides (262144, 512, 256, 1))
 5. shape            (rank and fixed sizes of each tensor)
 6. consistency      (R, B, M and P agree across tensors; token_topk / compress_ratio /
                      page_size / softmax_scale values)
-7. storage          (K/V share one storage that holds every page; ``out`` shares no byte
-                     with any input)
+7. storage          (V starts 256 elements after K in the same storage, which holds every
+                     page; ``out`` shares no byte with any input)
 
 All other failures raise ValueError. Each message names the argument, what was expected
 and what was given. Nothing is written when a call is refused.
@@ -210,20 +210,22 @@ def _check_no_overlap(
             )
 
 
-def _check_exact_packed(k_cache: torch.Tensor, v_cache: torch.Tensor, check_storage: bool) -> None:
+def _check_kv_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if tuple(t.stride()) != KV_STRIDES:
             raise ValueError(
                 f"{name} must have strides {KV_STRIDES} (exact-packed K/V), got {tuple(t.stride())}"
             )
+
+
+def _check_kv_storage(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """V starts 256 elements after K in the same storage, which holds all P pages."""
     k_off, v_off = k_cache.storage_offset(), v_cache.storage_offset()
     if v_off != k_off + V_OFFSET:
         raise ValueError(
             f"v_cache must have storage offset k_cache.storage_offset() + {V_OFFSET} = "
             f"{k_off + V_OFFSET} (exact-packed K/V), got {v_off}"
         )
-    if not check_storage:
-        return
     k_storage, v_storage = k_cache.untyped_storage(), v_cache.untyped_storage()
     if k_storage.data_ptr() != v_storage.data_ptr():
         raise ValueError(
@@ -238,6 +240,38 @@ def _check_exact_packed(k_cache: torch.Tensor, v_cache: torch.Tensor, check_stor
                 f"k_cache/v_cache storage must hold at least {needed} bytes for "
                 f"{k_cache.shape[0]} exact-packed pages, got {k_storage.nbytes()}"
             )
+
+
+# ----------------------------------------------------------------------------------------
+# the packed KV buffer: what the attention custom op receives
+# ----------------------------------------------------------------------------------------
+
+PACKED_KV_STRIDES = (KV_STRIDES[0], PACKED_TOKEN_STRIDE, 1)  # (262144, 512, 1)
+
+
+def packed_kv_buffer(k_cache: torch.Tensor) -> torch.Tensor:
+    """The [P, 512, 512] exact-packed buffer that a validated k_cache views (same storage
+    offset). NOTES: the custom op takes this one tensor instead of the two aliasing views,
+    because an op schema cannot state that two arguments alias: opcheck, AOTAutograd and
+    functionalization would clone them apart."""
+    return k_cache.as_strided((k_cache.shape[0], KV_PAGE, PACKED_TOKEN_STRIDE), PACKED_KV_STRIDES)
+
+
+def kv_views(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache): the two [P, 512, 1, 256] views, strides (262144, 512, 256, 1)."""
+    return kv[:, :, :HEAD_DIM].unsqueeze(2), kv[:, :, HEAD_DIM:].unsqueeze(2)
+
+
+def validate_packed_kv(kv: object) -> None:
+    """Refuse a packed KV buffer that is not float16 [P, 512, 512] with strides (262144, 512, 1)."""
+    _check_tensor_types(("kv",), (kv,))
+    _check_dtype("kv", kv, torch.float16)
+    if kv.dim() != 3 or tuple(kv.shape[1:]) != (KV_PAGE, PACKED_TOKEN_STRIDE):
+        raise ValueError(
+            f"kv must have shape (P, {KV_PAGE}, {PACKED_TOKEN_STRIDE}), got {tuple(kv.shape)}"
+        )
+    if tuple(kv.stride()) != PACKED_KV_STRIDES:
+        raise ValueError(f"kv must have strides {PACKED_KV_STRIDES}, got {tuple(kv.stride())}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -283,8 +317,6 @@ def _fast_ok(spec: _OpSpec, tensors: Sequence[torch.Tensor], ints: Sequence[tupl
             k, v = (tensors[i] for i in spec.packed)
             if k.stride() != KV_STRIDES or v.stride() != KV_STRIDES:
                 return False
-            if v.storage_offset() != k.storage_offset() + V_OFFSET:
-                return False
         return True
     except (AttributeError, IndexError, TypeError):
         return False
@@ -302,8 +334,7 @@ def _full_check(spec: _OpSpec, tensors: Sequence[torch.Tensor], ints: Sequence[t
         if spec.packed is None or i not in spec.packed:
             _check_contiguous(name, t)
     if spec.packed is not None:
-        k, v = (tensors[i] for i in spec.packed)
-        _check_exact_packed(k, v, check_storage=False)
+        _check_kv_strides(*(tensors[i] for i in spec.packed))
     for name, t, pattern in zip(spec.names, tensors, spec.shapes, strict=True):
         _check_shape(name, t, pattern)
     sizes = spec.resolve(tensors)
@@ -320,8 +351,7 @@ def _validate(
         _full_check(spec, tensors, ints)
     if check_storage:
         if spec.packed is not None:
-            k, v = (tensors[i] for i in spec.packed)
-            _check_exact_packed(k, v, check_storage=True)
+            _check_kv_storage(*(tensors[i] for i in spec.packed))
         _check_no_overlap(spec.names[-1], tensors[-1], spec.names[:-1], tensors[:-1])
 
 
@@ -372,9 +402,9 @@ def validate_select_args(
 ) -> None:
     """Refuse (TypeError/ValueError) any call of ``select_paged_tokens`` outside the contract.
 
-    ``check_storage=False`` skips the checks that need real storage (``out`` overlap); it is
-    used only while ``torch.compile`` traces, and the custom op repeats the full check when
-    the compiled graph runs.
+    ``check_storage=False`` skips the checks that need real storage (storage offsets, shared
+    storage, ``out`` overlap), which ``torch.compile`` cannot trace; it is used only while
+    tracing, and the custom op repeats the storage checks when the compiled graph runs.
     """
     tensors = (
         q,

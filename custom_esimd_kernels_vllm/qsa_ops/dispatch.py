@@ -166,8 +166,7 @@ def _(q, compressed_key_cache, page_table, token_to_req, query_positions, sequen
 @torch.library.custom_op("qsa::sparse_paged_attention", mutates_args=("out",))
 def sparse_paged_attention_op(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: torch.Tensor,
     logical_indices: torch.Tensor,
     page_table: torch.Tensor,
     token_to_req: torch.Tensor,
@@ -175,9 +174,14 @@ def sparse_paged_attention_op(
     out: torch.Tensor,
     softmax_scale: float | None = None,
 ) -> None:
+    """``kv`` is the [P, 512, 512] exact-packed buffer (contract.packed_kv_buffer); the
+    public function takes the k_cache/v_cache views and passes their buffer."""
     if _take_validated():
+        k_cache, v_cache = contract.kv_views(kv)
         scale = contract.resolve_softmax_scale(softmax_scale)
     else:
+        contract.validate_packed_kv(kv)
+        k_cache, v_cache = contract.kv_views(kv)
         scale = contract.validate_attention_args(
             q, k_cache, v_cache, logical_indices, page_table, token_to_req, page_size, out,
             softmax_scale,
@@ -190,6 +194,5 @@ def sparse_paged_attention_op(
 
 
 @sparse_paged_attention_op.register_fake
-def _(q, k_cache, v_cache, logical_indices, page_table, token_to_req, page_size, out,
-      softmax_scale=None) -> None:  # fmt: skip
+def _(q, kv, logical_indices, page_table, token_to_req, page_size, out, softmax_scale=None) -> None:
     return None

@@ -154,14 +154,14 @@ def git_state(root: Path) -> dict[str, Any]:
     def git(*args: str) -> str:
         return subprocess.run(
             ["git", *args], cwd=root, check=True, capture_output=True, text=True
-        ).stdout.strip()
+        ).stdout
 
     try:
-        commit = git("rev-parse", "HEAD")
-        changes = git("status", "--porcelain", "--untracked-files=normal")
+        commit = git("rev-parse", "HEAD").strip()
+        changes = git("status", "--porcelain", "-z", "--untracked-files=normal")
     except (OSError, subprocess.CalledProcessError) as exc:
         return {"commit": None, "dirty": None, "note": f"not a git checkout: {exc}"}
-    dirty_paths = [line[3:] for line in changes.splitlines()]
+    dirty_paths = [entry[3:] for entry in changes.split("\0") if len(entry) > 3]
     return {"commit": commit, "dirty": bool(dirty_paths), "dirty_paths": dirty_paths}
 
 

@@ -38,6 +38,7 @@ from .contract import (
     TOKEN_TOPK,
     V_OFFSET,
     WIDTH,
+    packed_kv_buffer,
     resolve_softmax_scale,
 )
 
@@ -118,6 +119,20 @@ class AttentionCase:
             self.q,
             self.k_cache,
             self.v_cache,
+            self.logical_indices,
+            self.page_table,
+            self.token_to_req,
+            KV_PAGE,
+            self.out,
+            self.softmax_scale,
+        )
+
+    def op_args(self) -> tuple:
+        """Positional arguments of the custom op ``torch.ops.qsa.sparse_paged_attention``,
+        which takes the packed [P, 512, 512] buffer instead of the two views."""
+        return (
+            self.q,
+            packed_kv_buffer(self.k_cache),
             self.logical_indices,
             self.page_table,
             self.token_to_req,
@@ -293,7 +308,15 @@ def make_select_case(
         q = -_values((R, INDEX_HEADS, INDEX_DIM), gen, True, 1, 2)
         ck = _values((3, CK_PAGE, 1, INDEX_DIM), gen, True, 1, 2)
         return _select_case(
-            name, q, ck, [[2, 0, 1]], [0] * R, [4 * 700 + 2] * R, [4 * 700 + 3], device, True
+            name,
+            q,
+            ck,
+            [[2, 0, 1, 1, 0, 2]],
+            [0] * R,
+            [4 * 700 + 2] * R,
+            [4 * 700 + 3],
+            device,
+            True,
         )
     if name == "p8192_saturated":
         num_pages = 8192

@@ -25,7 +25,9 @@ from ..qsa_ops.contract import (
     HEAD_DIM,
     INDEX_DIM,
     KV_PAGE,
+    KV_STRIDES,
     PACKED_TOKEN_STRIDE,
+    V_OFFSET,
 )
 
 CACHE_DTYPE = torch.float16
@@ -62,8 +64,10 @@ def carve(flat: torch.Tensor, num_pages: int) -> QSALayerCache:
         )
     kv_pages = flat[: num_pages * KV_PAGE_ELEMENTS].view(num_pages, KV_PAGE, PACKED_TOKEN_STRIDE)
     ck_cache = flat[num_pages * KV_PAGE_ELEMENTS :].view(num_pages, CK_PAGE, 1, INDEX_DIM)
-    k_cache = kv_pages[:, :, None, :HEAD_DIM]
-    v_cache = kv_pages[:, :, None, HEAD_DIM:]
+    shape = (num_pages, KV_PAGE, 1, HEAD_DIM)
+    base = kv_pages.storage_offset()
+    k_cache = kv_pages.as_strided(shape, KV_STRIDES, base)
+    v_cache = kv_pages.as_strided(shape, KV_STRIDES, base + V_OFFSET)
     return QSALayerCache(kv_pages, k_cache, v_cache, ck_cache)
 
 

@@ -1,0 +1,266 @@
+"""`nox -s gsm8k`: the GSM8K strict gate as a pipeline step (loaded by noxfile.py).
+
+    nox -s gsm8k                                    CPU mechanics check: tiny checkpoint, real vLLM
+    nox -s gsm8k -- --base-url URL [GATE ARGS]      gate a running server (GPU runner, real model)
+
+The mechanics check runs in the interpreter that has vLLM (``python ci/nox_gsm8k.py mechanics``,
+started by the session): it makes the tiny checkpoint, serves it with ``ci/vllm_server.py`` and
+checks, on the real server, that
+
+1. ``tiny-qsa.json`` (threshold 0.0) passes;
+2. the same questions with a threshold just above the achieved accuracy fail with exit code 1;
+3. parity mode against the same server twice passes (greedy completions are repeatable);
+4. once the server is stopped, the gate reports an error (exit code 2), not a pass.
+
+Results land in ``results/gsm8k/<run>/`` (result.json, config.json, questions.jsonl) plus
+``results/gsm8k/mechanics.json``; the session adds them to its step record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CI = Path(__file__).resolve().parent
+ROOT = CI.parent
+RESULTS = ROOT / "results" / "gsm8k"
+TINY_CONFIG = CI / "gsm8k" / "configs" / "tiny-qsa.json"
+RELEASE_CONFIG = CI / "gsm8k" / "configs" / "qwen38-qsa-tp8.json"
+
+
+def _load(name: str) -> Any:
+    """Import a sibling script of ci/ by path (ci/ is not a package)."""
+    path = CI / f"{name}.py"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+# --------------------------------------------------------------------------------------------
+# The mechanics check (runs inside the vLLM interpreter)
+# --------------------------------------------------------------------------------------------
+
+
+def run_mechanics(
+    out_root: Path, model_dir: Path | None = None, python: str = sys.executable
+) -> dict:
+    """Gate the tiny checkpoint on a real vLLM server; return a summary whose ``ok`` is True
+    only when every expectation held. Writes ``out_root/mechanics.json``."""
+    gate = _load("gsm8k_gate")
+    server_mod = _load("vllm_server")
+    config = gate.load_config(TINY_CONFIG)
+    out_root.mkdir(parents=True, exist_ok=True)
+    checks: list[dict[str, Any]] = []
+
+    def check(run: str, outcome: Any, want: str, what: str) -> None:
+        ok = outcome.status == want
+        checks.append(
+            {
+                "run": run,
+                "what": what,
+                "expected": want,
+                "status": outcome.status,
+                "ok": ok,
+                "message": outcome.message,
+            }
+        )
+        print(
+            f"[gsm8k] {run}: {'as expected' if ok else 'UNEXPECTED'} ({want}): {outcome.message}",
+            flush=True,
+        )
+
+    def progress(line: str) -> None:
+        print(f"[gsm8k] {line}", flush=True)
+
+    scratch = Path(tempfile.mkdtemp(prefix="qsa-gsm8k-"))
+    try:
+        if model_dir is None:
+            model_dir = _load("make_tiny_model").make_checkpoint(scratch / "tiny-model")
+        with server_mod.VLLMServer(model_dir, python=python) as url:
+            live = dataclasses.replace(config, base_url=url)
+            first = gate.run_gate(
+                live, out_root / config.name, config_path=TINY_CONFIG, progress=progress
+            )
+            check(config.name, first, "passed", "threshold 0.0 on the tiny checkpoint")
+            accuracy = first.result.get("accuracy", 0.0)
+            total = first.result.get("total") or config.num_questions
+            above = min(1.0, accuracy + 1.0 / total)
+            if accuracy < 1.0:
+                strict = dataclasses.replace(live, threshold=above, tolerance=0.0)
+                second = gate.run_gate(
+                    strict,
+                    out_root / f"{config.name}-above-threshold",
+                    config_path=TINY_CONFIG,
+                    progress=progress,
+                )
+                check(
+                    f"{config.name}-above-threshold",
+                    second,
+                    "failed",
+                    f"threshold {above:.4f} > achieved {accuracy:.4f}",
+                )
+            parity = dataclasses.replace(
+                live, parity=dataclasses.replace(config.parity, base_url=url)
+            )
+            third = gate.run_gate(
+                parity,
+                out_root / f"{config.name}-parity",
+                config_path=TINY_CONFIG,
+                progress=progress,
+            )
+            check(
+                f"{config.name}-parity",
+                third,
+                "passed",
+                "the same server twice: identical completions",
+            )
+        dead = dataclasses.replace(config, base_url=url, retries=1, backoff_s=0.1, timeout_s=5)
+        fourth = gate.run_gate(
+            dead, out_root / f"{config.name}-server-down", config_path=TINY_CONFIG
+        )
+        check(f"{config.name}-server-down", fourth, "error", "the stopped server must not pass")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    summary = {
+        "ok": all(c["ok"] for c in checks) and len(checks) >= 3,
+        "achieved_accuracy": accuracy,
+        "config": str(TINY_CONFIG.relative_to(ROOT)),
+        "checks": checks,
+    }
+    (out_root / "mechanics.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+# --------------------------------------------------------------------------------------------
+# The nox session
+# --------------------------------------------------------------------------------------------
+
+
+def _has_vllm(python: str) -> bool:
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        return (
+            subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode == 0
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def vllm_python(session: Any) -> tuple[str | None, str]:
+    """An interpreter that can import vLLM and where it came from, or (None, why there is none)."""
+    candidates = []
+    if os.environ.get("QSA_VLLM_PYTHON"):
+        candidates.append(("$QSA_VLLM_PYTHON", os.environ["QSA_VLLM_PYTHON"]))
+    if (CI / "nox_vllm.py").is_file():
+        helper = getattr(_load("nox_vllm"), "vllm_python", None)
+        found = helper(session) if callable(helper) else None
+        found = found[0] if isinstance(found, tuple) else found
+        if found:
+            candidates.append(("ci/nox_vllm.py", str(found)))
+    candidates.append(("the default vLLM venv", str(ROOT / ".venv-vllm" / "bin" / "python")))
+    if session.venv_backend == "none" and shutil.which("python"):
+        candidates.append(("this host's python", shutil.which("python")))
+    for origin, python in candidates:
+        if _has_vllm(python):
+            return python, origin
+    tried = ", ".join(f"{python} ({origin})" for origin, python in candidates)
+    return None, f"none of these interpreters can import vllm: {tried}; see docs/vllm.md"
+
+
+def _record(record: Any, started: float) -> dict[str, Any]:
+    """Add this run's result and config files to the step record; return the summaries."""
+    summaries = {}
+    for path in sorted(RESULTS.glob("**/*.json")):
+        if path.stat().st_mtime < started:
+            continue
+        if record is not None:
+            record.artifact(path)
+        if path.name == "result.json":
+            result = json.loads(path.read_text())
+            summaries[path.parent.name] = {
+                key: result.get(key)
+                for key in (
+                    "status",
+                    "accuracy",
+                    "correct",
+                    "total",
+                    "threshold",
+                    "tolerance",
+                    "message",
+                )
+            }
+    if record is not None:
+        record.details["gsm8k"] = summaries
+    return summaries
+
+
+def gsm8k(session: Any, record: Any = None) -> None:
+    """The pipeline step. ``record`` (optional) has ``artifact(path)`` and a ``details`` dict."""
+    args = list(session.posargs)
+    started = time.time() - 1
+    try:
+        if any(a == "--base-url" or a.startswith("--base-url=") for a in args):
+            if session.venv_backend != "none":
+                session.install("requests")
+            if not any(a == "--config" or a.startswith("--config=") for a in args):
+                args = ["--config", str(RELEASE_CONFIG), *args]
+            session.run("python", str(CI / "gsm8k_gate.py"), *args)
+            return
+        python, origin = vllm_python(session)
+        if python is None:
+            session.skip(f"GSM8K mechanics check needs vLLM: {origin}")
+        session.log(
+            f"GSM8K mechanics check on the tiny checkpoint with vLLM from {origin} ({python})"
+        )
+        session.run(
+            python,
+            str(CI / "nox_gsm8k.py"),
+            "mechanics",
+            "--out",
+            str(RESULTS),
+            *args,
+            external=True,
+        )
+    finally:
+        for name, summary in _record(record, started).items():
+            session.log(f"{name}: {summary['status']} (accuracy {summary['accuracy']})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="GSM8K gate mechanics check on a real vLLM server")
+    parser.add_argument("command", choices=["mechanics"])
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results root")
+    parser.add_argument(
+        "--model-dir", type=Path, help="an existing tiny checkpoint (default: make one)"
+    )
+    args = parser.parse_args(argv)
+    summary = run_mechanics(args.out, args.model_dir)
+    if not summary["ok"]:
+        failed = [c["run"] for c in summary["checks"] if not c["ok"]]
+        print(
+            f"[gsm8k] mechanics check FAILED: {failed}; see {args.out / 'mechanics.json'}",
+            file=sys.stderr,
+        )
+        return 1
+    print(
+        f"[gsm8k] mechanics check passed ({len(summary['checks'])} runs); {args.out / 'mechanics.json'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""``--quick`` runs the harness end to end on CPU and writes the three result files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from custom_esimd_kernels_vllm.bench import cases, cli
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    t0 = time.perf_counter()
+    assert cli.main(["--quick", "--out-dir", str(out), "--no-progress"]) == 0
+    return out, time.perf_counter() - t0
+
+
+def test_quick_writes_json_md_png(quick_run):
+    out, seconds = quick_run
+    assert seconds < 60, f"--quick took {seconds:.0f} s (CI budget: 60 s)"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "bench-cpu.json",
+        "bench-cpu.md",
+        "bench-cpu.png",
+    ]
+    assert (out / "bench-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "bench-cpu.md").read_text()
+    assert "## Latency — Eager" in md and "## B/C/B comparisons" in md and "## Profiler" in md
+
+
+def test_quick_json_contents(quick_run):
+    out, _ = quick_run
+    data = json.loads((out / "bench-cpu.json").read_text())
+    env = data["environment"]
+    for key in ("device_name", "torch", "cuda", "git", "date_utc"):
+        assert key in env
+    assert "dso" in env  # None on a CPU-only install, with the reason in dso_error
+    assert data["copy_bandwidth"]["bandwidth_bytes_per_s"] > 0
+    assert len(data["cases"]) == len(cases.quick_cases())
+    for case in data["cases"]:
+        assert not case["errors"], case["errors"]
+        assert set(case["impls"]) == {"ref-vectorised", "ref-rowwise"}
+        assert all(i["check"]["ok"] for i in case["impls"].values())
+        assert "kernel" in case["skipped"] and "ref-compiled" in case["skipped"]
+        eager = case["modes"]["eager"]
+        assert eager["candidate"] == "ref-vectorised"
+        (comp,) = eager["comparisons"]
+        assert comp["baseline"] == "ref-rowwise" and comp["pairs"] == 3
+        assert len(comp["units_s"]) == 3 and all(len(u) == 3 for u in comp["units_s"])
+        assert len(eager["samples_s"]["ref-rowwise"]) == 6  # every raw sample kept
+        assert case["floor"]["total"] > 0 and case["floor"]["seconds"] > 0
+        assert case["rotation"]["copies"] == 2
+        assert "graph" not in case["modes"]  # no CUDA graphs on CPU
+    profiled = [c for c in data["cases"] if "profile" in c]
+    assert profiled, "no case was profiled"
+    for c in profiled:
+        rowwise = c["profile"]["ref-rowwise"]
+        assert rowwise["host_sync_ops"] > 0  # the row loop reads device values on the host
+        assert c["profile"]["ref-vectorised"]["host_sync_ops"] == 0
+
+
+def test_time_budget_stops_adding_cases(tmp_path):
+    argv = ["--quick", "--ops", "selection", "--time-budget-s", "0", "--out-dir", str(tmp_path),
+            "--no-progress", "--no-profile"]  # fmt: skip
+    assert cli.main(argv) == 0
+    data = json.loads((tmp_path / "bench-cpu.json").read_text())
+    assert data["cases"] == []
+    assert any("time budget of 0 s exceeded" in n for n in data["notes"])
+    assert "time budget" in (tmp_path / "bench-cpu.md").read_text()
+
+
+def test_module_entry_point_help():
+    r = subprocess.run(
+        [sys.executable, "-m", "custom_esimd_kernels_vllm.bench", "--help"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    for flag in ("--quick", "--grid", "--ops", "--pairs", "--out-dir", "--graph", "--no-graph",
+                 "--time-budget-s"):  # fmt: skip
+        assert flag in r.stdout

@@ -1,0 +1,48 @@
+"""Helpers of the GPU suite (imported by its test modules)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from custom_esimd_kernels_vllm.qsa_ops import reference, testing
+
+DEVICE = "cuda"
+
+
+def reference_select(case: testing.SelectCase) -> torch.Tensor:
+    out = case.new_out()
+    reference.select_paged_tokens_ref(*case.ref_args()[:-1], out)
+    return out
+
+
+def reference_attention(case: testing.AttentionCase) -> torch.Tensor:
+    out = case.new_out()
+    args = list(case.ref_args())
+    args[6] = out
+    reference.sparse_paged_attention_ref(*args)
+    return out
+
+
+def row_subset(case, rows):
+    """The same case restricted to ``rows`` (for the float64 checkers on large cases)."""
+    index = torch.as_tensor(rows, device=case.q.device)
+    per_row = {"q", "token_to_req", "query_positions", "logical_indices", "out"}
+    changes = {
+        f.name: getattr(case, f.name).index_select(0, index)
+        for f in dataclasses.fields(case)
+        if f.name in per_row
+    }
+    return dataclasses.replace(case, **changes)
+
+
+def assert_fully_written(out: torch.Tensor, what: str) -> None:
+    if out.is_floating_point():
+        bad = out.isnan().nonzero()
+    else:
+        bad = (out == testing.POISON_INT32).nonzero()
+    if len(bad):
+        raise AssertionError(
+            f"{what}: {len(bad)} poisoned elements left, first at {bad[0].tolist()}"
+        )

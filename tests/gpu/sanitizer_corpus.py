@@ -1,0 +1,95 @@
+"""Bad-input corpus for compute-sanitizer (run by scripts/gpu_session.sh, not by pytest).
+
+    compute-sanitizer --tool memcheck  python tests/gpu/sanitizer_corpus.py all
+    compute-sanitizer --tool racecheck python tests/gpu/sanitizer_corpus.py select
+
+Every case is valid to the contract's validators but full of bad *values*: request ids out
+of range, page ids negative / >= P / huge, indices beyond the page table, positions past the
+length, negative lengths, empty tables. The kernels must stay in bounds and race-free; the
+outputs are also checked against the reference so a silent wrong answer fails too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from custom_esimd_kernels_vllm import qsa_ops
+from custom_esimd_kernels_vllm.qsa_ops import KV_PAGE, reference, testing
+
+DEVICE = os.environ.get("QSA_CORPUS_DEVICE", "cuda")
+INT32_MAX = 2**31 - 1
+
+
+def select_corpus():
+    yield testing.random_select_case(
+        6, 2, 3, 4, device=DEVICE, seed=1, integer=True,
+        page_table=[[-1, 4, INT32_MAX], [-(2**31), 3, 2]], token_to_req=[-1, 2, INT32_MAX, 0, 1, 1],
+        query_positions=[2**62, 5000, 3, -(2**62), 1535, 10**9], sequence_lengths=[INT32_MAX, -5],
+        name="bad_ids_positions",
+    )  # fmt: skip
+    yield testing.random_select_case(3, 2, 0, 4, device=DEVICE, seed=2, integer=True, name="M=0")
+    yield testing.random_select_case(3, 0, 3, 4, device=DEVICE, seed=3, integer=True, name="B=0")
+    yield testing.random_select_case(4, 2, 5, 1, device=DEVICE, seed=4, integer=True, name="P=1")
+    yield testing.random_select_case(0, 2, 5, 3, device=DEVICE, seed=5, integer=True, name="R=0")
+    for seed in range(4):
+        yield testing.random_select_case(9, 3, 7, 11, device=DEVICE, seed=10 + seed, integer=True)
+    yield testing.make_select_case("p8192_saturated", 2, DEVICE, seed=6)
+
+
+def attention_corpus():
+    bad = [-1, -2, -(2**31), INT32_MAX, 3 * KV_PAGE, 4 * KV_PAGE + 7, 5, 600, 1100]
+    indices = torch.tensor([bad * 227 + bad[:8]] * 3, dtype=torch.int32)
+    yield testing.random_attention_case(
+        3, 2, 3, 4, device=DEVICE, seed=1, page_table=[[-1, 4, 1], [INT32_MAX, 0, -(2**31)]],
+        token_to_req=[0, 1, 2], name="bad_ids",
+    )  # fmt: skip
+    case = testing.random_attention_case(3, 2, 3, 4, device=DEVICE, seed=2, name="bad_indices")
+    case.logical_indices.copy_(indices)
+    yield case
+    yield testing.random_attention_case(2, 2, 0, 3, device=DEVICE, seed=3, name="M=0")
+    yield testing.random_attention_case(2, 0, 3, 3, device=DEVICE, seed=4, name="B=0")
+    yield testing.random_attention_case(0, 1, 3, 3, device=DEVICE, seed=5, name="R=0")
+    yield testing.random_attention_case(2, 2, 3, 5, device=DEVICE, seed=6, lead=3, name="unaligned")
+    for R in (1, 7, 300):
+        yield testing.random_attention_case(R, 3, 6, 9, device=DEVICE, seed=R)
+
+
+def run_select() -> int:
+    n = 0
+    for case in select_corpus():
+        qsa_ops.select_paged_tokens(*case.args())
+        want = case.new_out()
+        reference.select_paged_tokens_ref(*case.ref_args()[:-1], want)
+        assert torch.equal(case.out, want), f"{case!r}: differs from the reference"
+        n += 1
+    return n
+
+
+def run_attention() -> int:
+    n = 0
+    for case in attention_corpus():
+        qsa_ops.sparse_paged_attention(*case.args())
+        testing.check_attention(case, case.out)
+        n += 1
+    return n
+
+
+def main(argv: list[str]) -> int:
+    os.environ.setdefault("QSA_BACKEND", "cuda")
+    which = argv[0] if argv else "all"
+    counts = {}
+    if which in ("all", "select"):
+        counts["select"] = run_select()
+    if which in ("all", "attention"):
+        counts["attention"] = run_attention()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    print(f"sanitizer corpus ran: {counts}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

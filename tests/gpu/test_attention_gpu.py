@@ -1,0 +1,111 @@
+"""sparse_paged_attention on the CUDA kernels against the float64 checker and the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_helpers import DEVICE, assert_fully_written, reference_attention, row_subset
+
+from custom_esimd_kernels_vllm import qsa_ops
+from custom_esimd_kernels_vllm.qsa_ops import _cuda, testing
+
+pytestmark = pytest.mark.gpu
+
+
+def run_cuda(case: testing.AttentionCase) -> torch.Tensor:
+    before = testing.snapshot(case)
+    assert case.out.isnan().all()
+    result = qsa_ops.sparse_paged_attention(*case.args())
+    assert result is case.out
+    assert_fully_written(case.out, repr(case))
+    testing.assert_inputs_unchanged(case, before)
+    return case.out
+
+
+def check_rows(case: testing.AttentionCase, out: torch.Tensor, limit: int = 16) -> float:
+    rows = case.q.shape[0]
+    picked = sorted({int(i) for i in torch.linspace(0, rows - 1, min(rows, limit)).round()})
+    sub = row_subset(case, picked)
+    return testing.check_attention(sub, out.index_select(0, torch.as_tensor(picked, device=DEVICE)))
+
+
+def assert_close_reference(case: testing.AttentionCase, out: torch.Tensor) -> None:
+    want = reference_attention(case).double()
+    norm = want.norm().item()
+    err = (out.double() - want).norm().item() / norm if norm else out.double().norm().item()
+    assert err < testing.ATTENTION_TOLERANCE, f"{case!r}: relative error {err:.3e} vs the reference"
+
+
+@pytest.mark.parametrize("R", [1, 2])
+@pytest.mark.parametrize("name", testing.ATTENTION_CASES)
+def test_seed_case(cuda_backend, name, R):
+    case = testing.make_attention_case(name, R, DEVICE, seed=R)
+    out = run_cuda(case)
+    testing.check_attention(case, out)
+    assert_close_reference(case, out)
+
+
+@pytest.mark.parametrize("scale", [None, 0.01, 0.2, 1.0])
+def test_softmax_scale(cuda_backend, scale):
+    case = testing.make_attention_case("full_width_2051", 2, DEVICE, seed=5)
+    case.softmax_scale = scale
+    out = run_cuda(case)
+    testing.check_attention(case, out)
+
+
+@pytest.mark.parametrize("R", [1, 3, 17, 64, 263, 600])
+@pytest.mark.parametrize("lead", [0, 3])
+def test_random_bad_values(cuda_backend, R, lead):
+    """Holes, negatives, entries past the page table, page ids -1 / P, invalid requests;
+    lead=3 puts K/V at an offset that is not 16-byte aligned (the scalar-load path)."""
+    case = testing.random_attention_case(R, 4, 6, 9, device=DEVICE, seed=R + lead, lead=lead)
+    out = run_cuda(case)
+    check_rows(case, out)
+    assert_close_reference(case, out)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7, 32])
+@pytest.mark.parametrize("R", [1, 5])
+def test_forced_splits(cuda_backend, monkeypatch, splits, R):
+    """Every split count merges to the same function (the heuristic picks one of these)."""
+    monkeypatch.setenv(_cuda.SPLITS_ENV, str(splits))
+    case = testing.random_attention_case(
+        R, 2, 8, 12, device=DEVICE, seed=splits, valid_fraction=0.9
+    )
+    out = run_cuda(case)
+    testing.check_attention(case, out)
+
+
+def test_scale_rows_256(cuda_backend):
+    case = testing.scale_attention_case(65536, 256, DEVICE, seed=4)
+    out = run_cuda(case)
+    check_rows(case, out, limit=8)
+    assert_close_reference(case, out)
+
+
+def test_zero_rows(cuda_backend):
+    case = testing.random_attention_case(0, 2, 4, 4, device=DEVICE, seed=1)
+    out = qsa_ops.sparse_paged_attention(*case.args())
+    assert out.shape == (0, 3, 256)
+
+
+def test_deterministic(cuda_backend):
+    case = testing.make_attention_case("full_width_2051", 1, DEVICE, seed=9)
+    first = run_cuda(case).clone()
+    for _ in range(5):
+        testing.poison_(case.out)
+        qsa_ops.sparse_paged_attention(*case.args())
+        assert torch.equal(case.out, first)
+
+
+def test_refusals_on_cuda(cuda_backend):
+    case = testing.make_attention_case("valid_width_32", 1, DEVICE)
+    args = list(case.args())
+    args[1] = case.k_cache.contiguous()
+    with pytest.raises(ValueError, match="k_cache"):
+        qsa_ops.sparse_paged_attention(*args)
+    args = list(case.args())
+    args[6] = 256
+    with pytest.raises(ValueError, match="page_size"):
+        qsa_ops.sparse_paged_attention(*args)
+    assert case.out.isnan().all()

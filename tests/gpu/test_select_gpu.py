@@ -1,0 +1,181 @@
+"""select_paged_tokens on the CUDA kernels against the reference and the float64 checker.
+
+Integer-valued inputs (values in {-2..2}) make every float32 sum exact in any order, so the
+kernel must equal the reference bit for bit, tie order included; random float16 inputs must
+give a valid top-k (contract section 4).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_helpers import DEVICE, assert_fully_written, reference_select, row_subset
+
+from custom_esimd_kernels_vllm import qsa_ops
+from custom_esimd_kernels_vllm.qsa_ops import KV_PAGE, testing
+
+pytestmark = pytest.mark.gpu
+
+
+def run_cuda(case: testing.SelectCase) -> torch.Tensor:
+    before = testing.snapshot(case)
+    assert (case.out == testing.POISON_INT32).all()
+    result = qsa_ops.select_paged_tokens(*case.args())
+    assert result is case.out
+    assert_fully_written(case.out, repr(case))
+    testing.assert_inputs_unchanged(case, before)
+    return case.out
+
+
+def assert_equal_reference(case: testing.SelectCase, out: torch.Tensor) -> None:
+    want = reference_select(case)
+    if not torch.equal(out, want):
+        r, c = (out != want).nonzero()[0].tolist()
+        raise AssertionError(
+            f"{case!r}: differs from the reference at row {r} column {c}: "
+            f"got {out[r, c].item()}, expected {want[r, c].item()}"
+        )
+
+
+def check_rows(case: testing.SelectCase, out: torch.Tensor, exact: bool, limit: int = 8) -> None:
+    """float64 checker on at most ``limit`` rows spread over the case (it loops in Python)."""
+    rows = case.q.shape[0]
+    picked = sorted({int(i) for i in torch.linspace(0, rows - 1, min(rows, limit)).round()})
+    sub = row_subset(case, picked)
+    testing.check_selection(
+        sub, out.index_select(0, torch.as_tensor(picked, device=out.device)), exact
+    )
+
+
+@pytest.mark.parametrize("R", [1, 2])
+@pytest.mark.parametrize("name", testing.SELECT_CASES)
+def test_seed_case_exact(cuda_backend, name, R):
+    case = testing.make_select_case(name, R, DEVICE, seed=R)
+    out = run_cuda(case)
+    testing.check_selection(case, out, exact=True)
+    assert_equal_reference(case, out)
+
+
+@pytest.mark.parametrize("R", [1, 2])
+@pytest.mark.parametrize(
+    "name", [n for n in testing.SELECT_CASES if n not in ("exact_ties", "all_zero_scores")]
+)
+def test_seed_case_random_data(cuda_backend, name, R):
+    case = testing.make_select_case(name, R, DEVICE, seed=10 + R, integer=False)
+    out = run_cuda(case)
+    testing.check_selection(case, out, exact=False)
+
+
+@pytest.mark.parametrize("R", [1, 64, 256])
+def test_p8192_saturated_many_rows(cuda_backend, R):
+    case = testing.make_select_case("p8192_saturated", R, DEVICE, seed=3)
+    out = run_cuda(case)
+    assert_equal_reference(case, out)
+    check_rows(case, out, exact=True, limit=2)
+
+
+def _one_request(R, context, positions, *, seed, pages=None, sparse=False, name):
+    """R rows of one request over ``context`` tokens, integer data; ``pages`` overrides the
+    page table (duplicates welcome); ``sparse`` zeroes 95% of q and keys (mass exact ties)."""
+    M = -(-context // KV_PAGE)
+    gen = torch.Generator().manual_seed(seed)
+    table = pages if pages is not None else torch.randperm(M, generator=gen).tolist()
+    P = max(max(table) + 1, 1)
+    case = testing.random_select_case(
+        R, 1, M, P, device=DEVICE, seed=seed, integer=True, bad_values=False,
+        page_table=[table], token_to_req=[0] * R, query_positions=positions,
+        sequence_lengths=[context], name=name,
+    )  # fmt: skip
+    if sparse:
+        case.q.mul_((torch.rand(case.q.shape, generator=gen) < 0.05).to(DEVICE))
+        ck = case.compressed_key_cache
+        ck.mul_((torch.rand(ck.shape, generator=gen) < 0.05).to(DEVICE))
+    return case
+
+
+@pytest.mark.parametrize("R", [1, 3])
+def test_context_131072(cuda_backend, R):
+    case = _one_request(R, 131072, [131071 - 1000 * r for r in range(R)], seed=7, name="ctx128k")
+    out = run_cuda(case)
+    assert_equal_reference(case, out)
+    check_rows(case, out, exact=True, limit=1)
+
+
+def test_context_131072_mass_ties(cuda_backend):
+    case = _one_request(2, 131072, [131071, 100000], seed=8, sparse=True, name="ctx128k_ties")
+    out = run_cuda(case)
+    assert_equal_reference(case, out)
+
+
+def test_duplicate_pages_long_context(cuda_backend):
+    """64 logical pages mapped onto 5 physical ones: every score appears many times."""
+    pages = [p % 5 for p in range(64)]
+    case = _one_request(
+        2, 64 * KV_PAGE, [64 * KV_PAGE - 1, 20000], seed=9, pages=pages, name="dups"
+    )
+    out = run_cuda(case)
+    assert_equal_reference(case, out)
+    check_rows(case, out, exact=True, limit=2)
+
+
+def test_prefill_chunk_2048_rows(cuda_backend):
+    """A prefill chunk: 2,048 rows of one request at consecutive positions."""
+    start = 6000
+    case = _one_request(2048, 8048, list(range(start, start + 2048)), seed=11, name="prefill2048")
+    out = run_cuda(case)
+    assert_equal_reference(case, out)
+    check_rows(case, out, exact=True, limit=4)
+
+
+@pytest.mark.parametrize("R, B, M, P", [(256, 8, 16, 100), (129, 3, 40, 64), (256, 64, 64, 4096)])
+def test_many_rows_many_requests(cuda_backend, R, B, M, P):
+    case = testing.random_select_case(R, B, M, P, device=DEVICE, seed=R + M, integer=True)
+    out = run_cuda(case)
+    assert_equal_reference(case, out)
+    check_rows(case, out, exact=True, limit=6)
+
+
+def test_zero_rows(cuda_backend):
+    case = testing.random_select_case(0, 2, 4, 8, device=DEVICE, seed=1, integer=True)
+    out = qsa_ops.select_paged_tokens(*case.args())
+    assert out.shape == (0, qsa_ops.WIDTH)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_bad_values_exact(cuda_backend, seed):
+    """Random shapes with invalid request ids, page ids -1 / >= P, negative lengths and
+    positions past the length: bit-exact with the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    R, B, M, P = (int(torch.randint(lo, hi, (1,), generator=gen)) for lo, hi in
+                  ((1, 40), (1, 6), (1, 12), (1, 30)))  # fmt: skip
+    case = testing.random_select_case(R, B, M, P, device=DEVICE, seed=seed, integer=True)
+    out = run_cuda(case)
+    assert_equal_reference(case, out)
+    testing.check_selection(case, out, exact=True)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_data_valid_topk(cuda_backend, seed):
+    case = testing.random_select_case(16, 3, 12, 40, device=DEVICE, seed=100 + seed)
+    out = run_cuda(case)
+    testing.check_selection(case, out, exact=False)
+
+
+def test_empty_page_table_and_no_requests(cuda_backend):
+    for B, M in ((2, 0), (0, 3)):
+        case = testing.random_select_case(3, B, M, 4, device=DEVICE, seed=5, integer=True)
+        out = run_cuda(case)
+        assert_equal_reference(case, out)
+
+
+def test_refusals_on_cuda(cuda_backend):
+    case = testing.make_select_case("full_page", 1, DEVICE)
+    args = list(case.args())
+    args[0] = case.q.float()
+    with pytest.raises(TypeError, match="q"):
+        qsa_ops.select_paged_tokens(*args)
+    args = list(case.args())
+    args[-1] = torch.empty(1, 2050, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="out"):
+        qsa_ops.select_paged_tokens(*args)
+    assert (case.out == testing.POISON_INT32).all()
