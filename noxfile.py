@@ -61,6 +61,10 @@ CUDA_TOOLKIT = ROOT / "docker" / "cuda-toolkit.txt"
 PROVENANCE_SOURCES = ("csrc", "setup.py", "build_targets.py", "pyproject.toml")
 # The one build command (setup.py holds the compiler invocations, build_targets.py the flags).
 BUILD_COMMAND = ("python", "setup.py", "build_ext", "--inplace")
+# What `tests` installs besides the pinned torch: the optional-dependency groups of
+# pyproject.toml that the suites import, nox (tests/pipeline load this file) and the build tools
+# (tests/pipeline build the DSO twice where nvcc exists).
+TEST_EXTRAS = ("test", "bench")
 # Order of `nox -s pipeline` (the design card's order).
 PIPELINE = (
     "lint",
@@ -249,7 +253,7 @@ def lint(session: nox.Session) -> None:
 @step
 def tests(session: nox.Session) -> None:
     """The CPU test suite (GPU tests are skipped with their reason on a CPU host)."""
-    install(session, TORCH_PIN, *extras("test", "bench"))
+    install(session, TORCH_PIN, *extras(*TEST_EXTRAS), "nox", "-r", str(BUILD_REQUIREMENTS))
     junit = DIST / "junit-tests.xml"
     junit.parent.mkdir(parents=True, exist_ok=True)
     # NOTES: pytest exits 5 when it collects nothing; nox treats every non-zero exit as a
@@ -280,6 +284,7 @@ def build(session: nox.Session) -> None:
     if args.container:
         build_in_container(session, target)
     else:
+        require_toolchain(session, target)  # before any install: fail fast
         install(session, "-r", str(BUILD_REQUIREMENTS))
         build_native(session, target)
 
@@ -423,10 +428,10 @@ def build_in_container(session: nox.Session, target: build_targets.Target) -> No
         files=[CUDA_TOOLKIT] if cuda else [],
     )
     native = json.loads(PROVENANCE.read_text()) if PROVENANCE.is_file() else {}
-    if native.get("target", {}).get("name") != target.name or native.get("build", {}).get(
-        "container"
-    ):
-        session.log("no native build of this target yet: building it first for the comparison")
+    sources = provenance_module().source_digests(ROOT, PROVENANCE_SOURCES)
+    if native.get("target", {}).get("name") != target.name or native.get("sources") != sources:
+        session.log("no native build of these sources for this target: building it first")
+        require_toolchain(session, target)
         install(session, "-r", str(BUILD_REQUIREMENTS))
         build_native(session, target)
         native = json.loads(PROVENANCE.read_text())
@@ -620,7 +625,8 @@ def verify(session: nox.Session) -> None:
 def image(session: nox.Session) -> None:
     """Focused image validation: build the CPU test image from the local base image and run the
     test suite (`nox --no-venv -s tests`) inside it, offline."""
-    build_image(session, "qsa-test-cpu", [TORCH_PIN, *extras("test", "bench"), "nox"])
+    requirements = [TORCH_PIN, *extras(*TEST_EXTRAS), "nox", *requirements_file(BUILD_REQUIREMENTS)]
+    build_image(session, "qsa-test-cpu", requirements)
     src = images().export_tree(WORK / "image-src")
     log = LOGS_DIR / "image-tests.log"
 
@@ -741,10 +747,13 @@ def pipeline(session: nox.Session) -> None:
     record["result"] = "failed" if failed else "passed"
     (DIST / "run-record.json").write_text(json.dumps(record, indent=2) + "\n")
     (DIST / "run-record.md").write_text(markdown(record))
-    session.log(f"run record: {rel(DIST / 'run-record.md')}")
-    print(markdown(record))
+    print(markdown(record), flush=True)
+    session.log(f"run record: {rel(DIST / 'run-record.md')} and {rel(DIST / 'run-record.json')}")
     if failed:
-        session.error(f"pipeline stopped: step {failed} failed (log dist/logs/{failed}.log)")
+        log = LOGS_DIR / f"{failed}.log"
+        tail = log.read_text(errors="replace").splitlines()[-40:] if log.is_file() else []
+        print("\n".join([f"--- last lines of {rel(log)} ---", *tail]), flush=True)
+        session.error(f"pipeline stopped: step {failed} failed (log {rel(log)})")
 
 
 def run_step(session: nox.Session, name: str, posargs: list[str], no_venv: bool) -> dict:

@@ -166,18 +166,27 @@ def build_image(client, image: str, ctx: Path, log: Log = print) -> str:
     start = time.monotonic()
     image_id = None
     tail: list[str] = []
+    last = start
     for chunk in client.api.build(
-        path=str(ctx), tag=image, rm=True, forcerm=True, decode=True, buildargs={"BASE": BASE_IMAGE}
+        path=str(ctx),
+        tag=image,
+        rm=True,
+        forcerm=True,
+        decode=True,
+        buildargs={"BASE": BASE_IMAGE},
     ):
         if "error" in chunk:
             raise ImageError(
                 f"building {image} failed: {chunk['error'].strip()}\n" + "".join(tail[-30:])
             )
-        line = chunk.get("stream", "")
+        line = chunk.get("stream", "").strip()
+        now = time.monotonic()
         if line:
-            tail.append(line)
-            if line.startswith("Step "):  # one progress line per recipe step
-                log(f"  [{time.monotonic() - start:5.0f} s] {line.strip()[:150]}")
+            tail.append(line + "\n")
+            # Progress: every recipe step, and the step's latest output line every 30 s.
+            if line.startswith("Step ") or now - last >= 30:
+                last = now
+                log(f"  [{now - start:5.0f} s] {line[:150]}")
         if "aux" in chunk and "ID" in chunk["aux"]:
             image_id = chunk["aux"]["ID"]
     log(f"image {image} built in {time.monotonic() - start:.0f} s ({image_id})")

@@ -46,10 +46,47 @@ def graph_time_us(fn, calls: int = CALLS, reps: int = REPS) -> float:
     return statistics.median(times)
 
 
+def eager_time_us(fn, calls: int = 3, reps: int = 5) -> float:
+    """Events around eager calls (the reference is not capturable: it copies a CPU scalar)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def kernel_breakdown(fn, calls: int = 10) -> dict[str, float]:
+    """Device time per call of each QSA kernel (torch.profiler / CUPTI), in us."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if "qsa" in e.key and total:
+            name = e.key.split("(")[0].split("::")[-1]
+            times[name] = times.get(name, 0.0) + total / calls
+    return times
+
+
 def copy_bandwidth_gbs() -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    us = graph_time_us(lambda: dst.copy_(src), calls=5, reps=10)
+    for _ in range(3):
+        dst.copy_(src)  # warm the clocks up
+    us = graph_time_us(lambda: dst.copy_(src), calls=10, reps=10)
     return 2 * src.numel() / (us * 1e-6) / 1e9
 
 
@@ -85,6 +122,7 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--splits-sweep", action="store_true")
     parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument("--breakdown", action="store_true", help="per-kernel device time")
     args = parser.parse_args()
     bw = copy_bandwidth_gbs()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s (read+write)")
@@ -98,7 +136,7 @@ def main() -> None:
         cuda_us = graph_time_us(with_backend("cuda", lambda op=op, case=case: op(*case.args())))
         ref_us = None
         if not args.no_reference:
-            ref_us = graph_time_us(
+            ref_us = eager_time_us(
                 with_backend("reference", lambda op=op, case=case: op(*case.args())),
                 calls=2,
                 reps=5,
@@ -111,6 +149,10 @@ def main() -> None:
         print(
             f"{name:40s} {cuda_us:8.2f} us (target {target:5.0f}) {gbs:7.0f} GB/s {ref}", flush=True
         )
+        if args.breakdown:
+            os.environ["QSA_BACKEND"] = "cuda"
+            row["kernels_us"] = kernel_breakdown(lambda op=op, case=case: op(*case.args()))
+            print("    " + "  ".join(f"{k} {v:.2f}" for k, v in row["kernels_us"].items()))
     if args.splits_sweep:
         for R in (1, 2, 8, 64, 256):
             case = testing.scale_attention_case(262144, R, "cuda", seed=R)

@@ -259,10 +259,16 @@ __global__ void __launch_bounds__(kSelectThreads, 1)
           const uint32_t key = K[j];
           if ((key & mask) == prefix) d = (key >> shift) & (nbins - 1);
         }
-        // NOTES: ReLU makes most keys equal (0.0 -> key 1); aggregating equal digits per warp
-        // turns a 32-way shared-atomic conflict into one add.
-        const unsigned peers = __match_any_sync(0xffffffffu, d);
-        if (d != 0xffffffffu && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[d], __popc(peers));
+        // NOTES: ReLU makes many keys equal (0.0 -> key 1): when the whole warp holds one
+        // digit, one lane adds for all (a 32-way shared-atomic conflict otherwise). Mixed
+        // warps add lane by lane; __match_any_sync would aggregate those too, but it costs
+        // more than the conflicts it saves on distinct scores.
+        const uint32_t d0 = __shfl_sync(0xffffffffu, d, 0);
+        if (__all_sync(0xffffffffu, d == d0)) {
+          if (lane == 0 && d0 != 0xffffffffu) atomicAdd(&sh.hist[d0], 32u);
+        } else if (d != 0xffffffffu) {
+          atomicAdd(&sh.hist[d], 1u);
+        }
       }
       __syncthreads();
       // Scan the bins from the top: thread t owns bins nbins-1-2t and nbins-2-2t.
@@ -359,9 +365,20 @@ __global__ void __launch_bounds__(kSelectThreads, 1)
   __syncthreads();
 
   // ---- Bitonic sort of the 512 winners, descending ---------------------------------------
+  // NOTES: 256 threads each own one pair per stage; for strides <= 32 a warp's pairs stay
+  // inside its own 64 elements, so those stages need only __syncwarp (6 block barriers
+  // instead of 45).
   if (kb > 1) {
+    bool cross_warp_before = true;  // the gather above wrote across warps
     for (int size = 2; size <= kBlockTopk; size <<= 1) {
       for (int stride = size >> 1; stride > 0; stride >>= 1) {
+        const bool cross_warp = stride > 32;
+        if (cross_warp || cross_warp_before) {
+          __syncthreads();
+        } else {
+          __syncwarp();
+        }
+        cross_warp_before = cross_warp;
         if (tid < kBlockTopk / 2) {
           const int i = 2 * tid - (tid & (stride - 1));  // lower index of the pair
           const int k = i + stride;
@@ -372,10 +389,10 @@ __global__ void __launch_bounds__(kSelectThreads, 1)
             sh.winners[k] = a;
           }
         }
-        __syncthreads();
       }
     }
   }
+  __syncthreads();
 
   // ---- Expansion, tail, padding -----------------------------------------------------------
   const int expanded = kb * kRatio;

@@ -41,18 +41,37 @@ constexpr int kPartStride = kOut + 8;               // floats: 768 acc, 3 max, 3
 constexpr int kMaxSplits = 32;
 constexpr int kMinChunk = kWarps * kTokensPerWarp;  // 32 columns
 constexpr int kCounterSlots = 4096;
+// Per-warp compacted regions: each warp owns ceil(chunk / 256) * 32 slots.
+constexpr int kSlotCap = kWarps * ((kWidth + kThreads - 1) / kThreads) * 32;
 constexpr float kLog2e = 1.4426950408889634f;
+static_assert(kThreads == kHeadDim, "the CTA merge gives each thread one dim of every head");
 
-__device__ __forceinline__ float warp_sum(float v) {
+// Sum each of 16 per-lane values over the warp; returns, in lane L, the sum of value L >> 1.
+__device__ __forceinline__ float warp_reduce16(const float (&v)[16], int lane) {
+  float a[8], c[4], e[2];
+  const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4, b1 = lane & 2;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
+  for (int i = 0; i < 8; ++i) {
+    const float keep = b4 ? v[i + 8] : v[i], send = b4 ? v[i] : v[i + 8];
+    a[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float keep = b3 ? a[i + 4] : a[i], send = b3 ? a[i] : a[i + 4];
+    c[i] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float keep = b2 ? c[i + 2] : c[i], send = b2 ? c[i] : c[i + 2];
+    e[i] = keep + __shfl_xor_sync(0xffffffffu, send, 4);
+  }
+  float f = (b1 ? e[1] : e[0]) + __shfl_xor_sync(0xffffffffu, b1 ? e[0] : e[1], 2);
+  return f + __shfl_xor_sync(0xffffffffu, f, 1);
 }
 
 struct AttnShared {
-  int32_t slots[kWidth];               // resolved cache slots (phys * 512 + i % 512)
+  int32_t slots[kSlotCap];             // resolved cache slots (phys * 512 + i % 512)
   int warp_count[kWarps];
-  int warp_base[kWarps + 1];
   float acc[kWarps][kOut];             // per-warp unnormalised outputs
   float m[kWarps][kHeads];
   float l[kWarps][kHeads];
@@ -71,41 +90,16 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int c_lo = s * chunk;
   const int c_hi = min(c_lo + chunk, kWidth);
 
-  // ---- Resolve this CTA's columns to cache slots, in column order per warp segment --------
-  const int seg = ((c_hi - c_lo + kWarps * 32 - 1) / (kWarps * 32)) * 32;
+  // ---- Resolve this CTA's columns to cache slots (one pass) ------------------------------
+  // Warp w compacts the valid entries of its column segment, in column order, into its own
+  // region sh.slots[w * seg ...]; token g of the CTA is then found through the warp bases.
+  const int seg = ((c_hi - c_lo + kThreads - 1) / kThreads) * 32;
   const int seg_lo = c_lo + warp * seg;
   const int seg_hi = min(seg_lo + seg, c_hi);
   const int32_t* idx_row = p.logical_indices + r * p.indices_stride;
   const int32_t* table = p.page_table + (row_ok ? b : 0) * p.page_table_stride;
   int count = 0;
   if (row_ok) {
-    // Pass 1 counts, pass 2 writes: warp w's valid entries land at warp_base[w] onward.
-    for (int c0 = seg_lo; c0 < seg_hi; c0 += 32) {
-      const int c = c0 + lane;
-      bool ok = false;
-      if (c < seg_hi) {
-        const int32_t i = idx_row[c];
-        if (i >= 0 && i / kKvPage < p.table_width) {
-          const int32_t phys = table[i / kKvPage];
-          ok = phys >= 0 && phys < p.pages;
-        }
-      }
-      count += __popc(__ballot_sync(0xffffffffu, ok));
-    }
-  }
-  if (lane == 0) sh.warp_count[warp] = count;
-  __syncthreads();
-  if (tid == 0) {
-    int acc = 0;
-    for (int w = 0; w < kWarps; ++w) {
-      sh.warp_base[w] = acc;
-      acc += sh.warp_count[w];
-    }
-    sh.warp_base[kWarps] = acc;
-  }
-  __syncthreads();
-  if (row_ok) {
-    int pos = sh.warp_base[warp];
     const unsigned lt = (1u << lane) - 1u;
     for (int c0 = seg_lo; c0 < seg_hi; c0 += 32) {
       const int c = c0 + lane;
@@ -115,17 +109,33 @@ __global__ void __launch_bounds__(kThreads, 2)
         const int32_t i = idx_row[c];
         if (i >= 0 && i / kKvPage < p.table_width) {
           const int32_t phys = table[i / kKvPage];
-          ok = phys >= 0 && phys < p.pages;
-          slot = phys * kKvPage + (i % kKvPage);
+          if (phys >= 0 && phys < p.pages) {
+            ok = true;
+            slot = phys * kKvPage + (i % kKvPage);  // < P * 512 <= INT32_MAX (checked by caller)
+          }
         }
       }
       const unsigned bits = __ballot_sync(0xffffffffu, ok);
-      if (ok) sh.slots[pos + __popc(bits & lt)] = slot;
-      pos += __popc(bits);
+      if (ok) sh.slots[warp * seg + count + __popc(bits & lt)] = slot;
+      count += __popc(bits);
     }
   }
+  if (lane == 0) sh.warp_count[warp] = count;
   __syncthreads();
-  const int total = sh.warp_base[kWarps];
+  int base[kWarps + 1];  // exclusive prefix of the warp counts, in registers
+  base[0] = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) base[w + 1] = base[w] + sh.warp_count[w];
+  const int total = base[kWarps];
+  // Token g lives at sh.slots[g + shift(g)], shift = w * seg - base[w] for its warp region w.
+  auto slot_of = [&](int g) {
+    int shift = 0;
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) {
+      if (g >= base[w]) shift = w * seg - base[w];
+    }
+    return sh.slots[g + shift];
+  };
 
   // ---- Online softmax: warp w takes tokens it*32 + w*4 + t --------------------------------
   // Lane covers dims [8 lane, 8 lane + 8) of every head.
@@ -151,7 +161,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int t = 0; t < kTokensPerWarp; ++t) {
       if (g0 + t < total) {
-        const __half* tok = kv + int64_t(sh.slots[g0 + t]) * kTokenHalves + lane * 8;
+        const __half* tok = kv + int64_t(slot_of(g0 + t)) * kTokenHalves + lane * 8;
         kraw[t] = load8<kVec16>(tok);
         vraw[t] = load8<kVec16>(tok + kHeadDim);
       } else {
@@ -159,7 +169,10 @@ __global__ void __launch_bounds__(kThreads, 2)
         vraw[t] = make_uint4(0, 0, 0, 0);
       }
     }
-    float sc[kTokensPerWarp][kHeads];
+    // Partial dots of this lane's 8 dims: value v = t * 3 + h (12 of 16; 12..15 stay 0).
+    float part[16];
+#pragma unroll
+    for (int v = 0; v < 16; ++v) part[v] = 0.f;
 #pragma unroll
     for (int t = 0; t < kTokensPerWarp; ++t) {
       float kf[8];
@@ -169,7 +182,20 @@ __global__ void __launch_bounds__(kThreads, 2)
         float d0 = 0.f;
 #pragma unroll
         for (int d = 0; d < 8; ++d) d0 = fmaf(qf[h][d], kf[d], d0);
-        sc[t][h] = (g0 + t < total) ? warp_sum(d0) * scale_log2 : -INFINITY;
+        part[t * kHeads + h] = d0;
+      }
+    }
+    // NOTES: transposed butterfly: 16 values over 32 lanes in 8+4+2+1+1 = 16 shuffles (12
+    // independent warp_sums would take 60, in chains of 5); lane L ends with the full sum of
+    // value L >> 1, then 12 broadcasts hand every lane all scores.
+    const float full = warp_reduce16(part, lane);
+    float sc[kTokensPerWarp][kHeads];
+#pragma unroll
+    for (int t = 0; t < kTokensPerWarp; ++t) {
+#pragma unroll
+      for (int h = 0; h < kHeads; ++h) {
+        const float dot = __shfl_sync(0xffffffffu, full, 2 * (t * kHeads + h));
+        sc[t][h] = (g0 + t < total) ? dot * scale_log2 : -INFINITY;
       }
     }
 #pragma unroll
@@ -268,19 +294,25 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncthreads();
   if (!sh.is_last) return;
   __threadfence();
+  // The split maxima and sums (6 floats per split) go to shared memory in one round trip;
+  // then each thread merges its 3 outputs with all split loads in flight.
   const float* row_parts = parts + r * splits * kPartStride;
+  float* ml = &sh.acc[0][0];  // splits * 6 <= 192 floats; sh.acc is free after the CTA merge
+  for (int i = tid; i < splits * 2 * kHeads; i += kThreads) {
+    ml[i] = __ldcg(row_parts + (i / (2 * kHeads)) * kPartStride + kOut + i % (2 * kHeads));
+  }
+  __syncthreads();
 #pragma unroll
   for (int h = 0; h < kHeads; ++h) {
     float mm = -INFINITY;
-    for (int t = 0; t < splits; ++t) mm = fmaxf(mm, __ldcg(row_parts + t * kPartStride + kOut + h));
+    for (int t = 0; t < splits; ++t) mm = fmaxf(mm, ml[t * 2 * kHeads + h]);
     float ll = 0.f, aa = 0.f;
     if (mm != -INFINITY) {
 #pragma unroll 8
       for (int t = 0; t < splits; ++t) {
-        const float* pt = row_parts + t * kPartStride;
-        const float f = exp2f(__ldcg(pt + kOut + h) - mm);
-        ll += __ldcg(pt + kOut + kHeads + h) * f;
-        aa += __ldcg(pt + h * kHeadDim + tid) * f;
+        const float f = exp2f(ml[t * 2 * kHeads + h] - mm);
+        ll += ml[t * 2 * kHeads + kHeads + h] * f;
+        aa += __ldcg(row_parts + t * kPartStride + h * kHeadDim + tid) * f;
       }
     }
     out[h * kHeadDim + tid] = __float2half_rn(ll > 0.f ? aa / ll : 0.f);

@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--compile-budget-s",
         type=float,
-        default=150.0,
+        default=120.0,
         help="stop compiling new shapes once this much compile time is spent",
     )
     p.add_argument(
@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--time-budget-s",
         type=float,
         default=None,
-        help="stop starting new cases past this many seconds (default 330; none with --quick)",
+        help="stop starting new cases past this many seconds (default 300; none with --quick)",
     )
     p.add_argument(
         "--device",
@@ -148,7 +148,7 @@ def configure(args: argparse.Namespace) -> tuple[BenchConfig, list[cases.CaseSpe
         seed=args.seed,
     )
     time_budget = (
-        args.time_budget_s if args.time_budget_s is not None else (None if quick else 330.0)
+        args.time_budget_s if args.time_budget_s is not None else (None if quick else 300.0)
     )
     return cfg, grid, time_budget
 

@@ -33,14 +33,17 @@ class RotationPlan:
     copies: int  # copies of the inputs, used round-robin call after call
     slabs: int  # distinct physical slabs of the pool
     compact_pages: int  # pages per slab (U)
+    slab_bytes: int  # bytes of one slab
     bytes_per_call: int  # floor bytes of one call (what one call must touch)
     target_bytes: int  # what the copies together should exceed (2 x L2)
     exact: bool
 
     @property
     def touched_bytes(self) -> int:
-        """Distinct bytes the copies touch in total (bounded by the slabs when not exact)."""
-        return min(self.copies, self.slabs) * self.bytes_per_call
+        """Distinct bytes the copies touch in total, at most (when not exact, the permuted
+        copies share the slabs, so the tiled pool bounds it)."""
+        total = self.copies * self.bytes_per_call
+        return total if self.exact else min(total, self.slabs * self.slab_bytes)
 
     @property
     def beats_cache(self) -> bool:
@@ -72,6 +75,7 @@ def plan(
         copies=copies,
         slabs=slabs,
         compact_pages=compact_pages,
+        slab_bytes=slab_bytes,
         bytes_per_call=bytes_per_call,
         target_bytes=target_bytes,
         exact=slabs >= copies,

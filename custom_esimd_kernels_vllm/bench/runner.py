@@ -35,7 +35,7 @@ class BenchConfig:
     memory_budget: int = 8 << 30  # bytes for the tiled pool of the copies
     graph: bool = True
     compile: str = "targets"  # "targets" | "all" | "none"
-    compile_budget_s: float = 150.0  # stop compiling new shapes past this (compile time)
+    compile_budget_s: float = 120.0  # stop compiling new shapes past this (compile time)
     profile: bool = True
     rowwise_max_rows: int = ROWWISE_MAX_ROWS
     impls: tuple[str, ...] = ALL
@@ -207,6 +207,8 @@ def run_case(
                 n: percent_of_floor(floor_s, s["median"]) for n, s in measured["latency"].items()
             }
             result["modes"][mode] = measured
+        except Exception as exc:  # keep the other mode and the profile
+            result["errors"].append(f"{mode} timing: {_error(exc)}")
         finally:
             for u in units.values():
                 u.close()

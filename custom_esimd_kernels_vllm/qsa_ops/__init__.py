@@ -125,9 +125,11 @@ def sparse_paged_attention(
 
 
 def build_info() -> dict:
-    """What runs: package version, backend choice, contract constants, and the compiled
-    module's own build_info() (arch, macros, version, source SHA256) when it loads."""
+    """What runs: package version, backend choice, contract constants, the compiled
+    module's own build_info() (arch, macros, version, source SHA256) when it loads, and the
+    provenance summary (shipped manifest, loaded DSO SHA256, whether they match)."""
     from .. import __version__
+    from . import provenance
 
     cuda_ok, cuda_reason = dispatch.cuda_status()
     info: dict = {
@@ -139,9 +141,10 @@ def build_info() -> dict:
         "cuda_available": cuda_ok,
         "cuda_reason": cuda_reason,
         "cuda_build": None,
+        "provenance": provenance.summary(),
     }
     if cuda_ok:
-        from .. import _qsa_cuda  # the compiled module; loaded already by qsa_ops._cuda
+        from . import _cuda  # the only module that talks to the compiled _qsa_cuda
 
-        info["cuda_build"] = dict(_qsa_cuda.build_info())
+        info["cuda_build"] = _cuda.build_info()
     return info

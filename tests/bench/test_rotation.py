@@ -25,6 +25,10 @@ def test_plan_caps_copies_and_memory():
     assert p.copies == 256  # would need 3840
     assert p.slabs == 128  # 1 GiB / 8 MiB per slab
     assert not p.exact and not p.beats_cache
+    assert p.touched_bytes == 256 * 32 * 1024  # within the 1 GiB of slabs
+    perm = rotation.plan(16 * MiB, 512 * 1024, 2048, 120 * MiB, 256, memory_budget=256 * MiB)
+    assert (perm.copies, perm.slabs, perm.exact) == (8, 1, False)  # pages permuted per copy
+    assert perm.touched_bytes == 8 * 16 * MiB and perm.beats_cache
     big = rotation.plan(600 * MiB, 512 * 1024, 4096, 120 * MiB, 256, 8 << 30)
     assert big.copies == 1 and big.slabs == 1 and big.exact
     with pytest.raises(ValueError, match="max_copies"):

@@ -184,11 +184,12 @@ def test_refusals_never_write(op, kind, which, R):
     elif kind == "contiguity":
         args[i] = torch.stack([t, t], dim=-1)[..., 0] if t.numel() > 1 else t.expand(2)
     elif kind == "rows":  # one more row than the tensors it must agree with
-        if op == "attention" and i == 4:
-            i = 5  # no attention argument is sized by B but the page table itself
+        if (op, i) in (("select", 1), ("attention", 4)):
+            i += 1  # P pages (selection) and B (attention) are free: nothing else is sized by them
         args[i] = torch.cat([args[i], args[i][:1]])
     else:  # an input passed as `out` as well
-        args[8 if op == "select" else 7] = t
+        out_slot = 8 if op == "select" else 7
+        args[out_slot] = args[0] if i == out_slot else t
     out = case.out
     before = out.detach().clone()
     try:
