@@ -314,6 +314,10 @@ def toolchain_versions(session: nox.Session, target: build_targets.Target) -> di
     return versions
 
 
+def diff_keys(a: dict, b: dict) -> list[str]:
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
 def built_dso() -> Path:
     found = sorted((ROOT / PACKAGE).glob("_qsa_cuda*.so"))
     if len(found) != 1:
@@ -337,7 +341,11 @@ def build_native(session: nox.Session, target: build_targets.Target) -> None:
     IN_PACKAGE_PROVENANCE.unlink(missing_ok=True)
     session.log(f"compiling {target.name} with {target.toolchain} (about a minute on 2 cores) ...")
     start = time.monotonic()
+    sources = provenance.source_digests(ROOT, PROVENANCE_SOURCES)
     output = session.run(*BUILD_COMMAND, silent=True)
+    changed = diff_keys(sources, provenance.source_digests(ROOT, PROVENANCE_SOURCES))
+    if changed:
+        session.error(f"sources changed during the build, so the DSO matches neither: {changed}")
     # setup.py prints every compiler command it runs: the manifest keeps them verbatim.
     commands = [ln for ln in output.splitlines() if ln.split(" ", 1)[0] == target.toolchain]
     for line in commands:
@@ -353,7 +361,7 @@ def build_native(session: nox.Session, target: build_targets.Target) -> None:
             "macros": dict(sorted(target.macros.items())),
         },
         toolchain=toolchain_versions(session, target),
-        sources=provenance.source_digests(ROOT, PROVENANCE_SOURCES),
+        sources=sources,
         git=provenance.git_state(ROOT),
         dso_path=dso,
         root=ROOT,
@@ -365,6 +373,11 @@ def build_native(session: nox.Session, target: build_targets.Target) -> None:
         version=pyproject()["project"]["version"],
     )
     text = json.dumps(manifest, indent=2) + "\n"
+    # A copy outside the source tree: later in-place builds cannot overwrite the evidence.
+    kept = DIST / "native" / target.name
+    shutil.rmtree(kept, ignore_errors=True)
+    kept.mkdir(parents=True)
+    shutil.copy2(dso, kept / dso.name)
     PROVENANCE.parent.mkdir(parents=True, exist_ok=True)
     PROVENANCE.write_text(text)
     IN_PACKAGE_PROVENANCE.write_text(text)  # shipped in the wheel next to the DSO
@@ -469,30 +482,35 @@ def build_in_container(session: nox.Session, target: build_targets.Target) -> No
     session.log(f"is {verdict} the native DSO {native['dso']['sha256']}")
     for why in comparison["why"]:
         session.log(f"  why: {why}")
+    if comparison["identical"]:
+        for diff in comparison["input_differences"]:
+            session.log(f"  (same bytes despite {diff})")
 
 
 def compare_builds(native: dict, inside: dict, inside_dso: Path) -> dict:
-    """Native vs container DSO: equal SHA256, or the reasons they differ (toolchain versions,
-    source digests, flags, and the ELF sections whose bytes differ)."""
+    """Native vs container DSO: equal SHA256 or not, every input that differs between the two
+    manifests (toolchain versions, target flags, source digests, compiler commands) and, when
+    the bytes differ, the ELF sections whose bytes differ."""
+    differences = []
+    for key in ("toolchain", "target", "sources"):
+        a, b = native.get(key, {}), inside.get(key, {})
+        differences += [
+            f"{key}.{name}: native {a.get(name)!r} vs container {b.get(name)!r}"
+            for name in diff_keys(a, b)
+        ]
     result = {
         "image_dso": rel(inside_dso),
         "sha256": inside["dso"]["sha256"],
         "identical": inside["dso"]["sha256"] == native["dso"]["sha256"],
+        "input_differences": differences,
         "why": [],
     }
-    if result["identical"]:
-        return result
-    for key in ("toolchain", "target", "sources"):
-        a, b = native.get(key, {}), inside.get(key, {})
-        for name in sorted(set(a) | set(b)):
-            if a.get(name) != b.get(name):
-                result["why"].append(
-                    f"{key}.{name}: native {a.get(name)!r} vs container {b.get(name)!r}"
-                )
-    sections = elf_section_diff(ROOT / native["dso"]["path"], inside_dso)
-    result["why"].append(
-        "ELF sections that differ: " + (", ".join(sections) if sections else "none (layout only)")
-    )
+    if not result["identical"]:
+        native_dso = DIST / "native" / native["target"]["name"] / Path(native["dso"]["path"]).name
+        sections = elf_section_diff(native_dso, inside_dso)
+        result["why"] = differences + [
+            "ELF sections that differ: " + (", ".join(sections) or "none (layout only)")
+        ]
     return result
 
 

@@ -39,6 +39,7 @@ from typing import Any
 import requests
 
 GATE_NAME = "gsm8k-strict"
+PROGRESS_EVERY_S = 10.0
 EXIT_PASSED, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
 
 HERE = Path(__file__).resolve().parent
@@ -326,6 +327,31 @@ def select_exemplars(train: Sequence[Problem], num_shots: int, seed: int) -> lis
     return random.Random(seed).sample(list(train), num_shots)
 
 
+def prepare_questions(
+    config: GateConfig, data_dir: Path | None = None
+) -> tuple[list[Problem], list[Problem], dict[str, Any]]:
+    """The questions to ask, the k-shot exemplars, and a record of the data used."""
+    files = resolve_data_files(config, data_dir)
+    test, train = load_split(files["test"], "test"), load_split(files["train"], "train")
+    if config.num_questions and config.num_questions > len(test):
+        raise GateError(
+            f"num_questions={config.num_questions} but the test split has only {len(test)} problems"
+        )
+    problems = test[: config.num_questions] if config.num_questions else test
+    exemplars = select_exemplars(train, config.num_shots, config.seed)
+    record = {
+        "source": config.data,
+        "test": str(files["test"]),
+        "test_sha256": sha256_file(files["test"]),
+        "train": str(files["train"]),
+        "train_sha256": sha256_file(files["train"]),
+        "num_questions": len(problems),
+        "num_shots": len(exemplars),
+        "exemplar_ids": [ex.id for ex in exemplars],
+    }
+    return problems, exemplars, record
+
+
 def completion_prompt(exemplars: Sequence[Problem], question: str) -> str:
     shots = "".join(f"Question: {ex.question}\nAnswer: {ex.answer}\n\n" for ex in exemplars)
     return f"{shots}Question: {question}\nAnswer:"
@@ -388,9 +414,11 @@ class OpenAIClient:
             except requests.Timeout:
                 last = f"no response within the {self.timeout_s:g} s request timeout (server hung?)"
                 continue
-            except requests.ConnectionError as exc:
+            except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as exc:
                 last = f"connection failed: {exc}"
                 continue
+            except requests.RequestException as exc:  # a bad URL and the like: not transient
+                raise ServerError(f"{method} {url} cannot be sent: {exc}") from exc
             if response.status_code in _RETRYABLE_STATUS:
                 last = f"HTTP {response.status_code}: {response.text[:300]!r}"
                 continue
@@ -495,20 +523,12 @@ def evaluate(
     lock = threading.Lock()
     abort = threading.Event()
     failures: list[BaseException] = []
-    every = max(1, len(problems) // 10)
+    last_report = start  # progress: a line every PROGRESS_EVERY_S and at the end
 
-    def ask(problem: Problem) -> None:
-        if abort.is_set():  # an earlier question failed: send nothing more
-            return
-        try:
-            text, finish = client.generate(config, model, exemplars, problem.question)
-        except BaseException as exc:
-            with lock:
-                failures.append(exc)
-            abort.set()
-            raise
+    def answer(problem: Problem) -> dict[str, Any]:
+        text, finish = client.generate(config, model, exemplars, problem.question)
         extracted = extract_answer(text)
-        record = {
+        return {
             "id": problem.id,
             "completion": text,
             "finish_reason": finish,
@@ -516,10 +536,24 @@ def evaluate(
             "expected": problem.expected,
             "correct": extracted is not None and extracted == problem.expected,
         }
+
+    def ask(problem: Problem) -> None:
+        nonlocal last_report
+        if abort.is_set():  # an earlier question failed: send nothing more
+            return
+        try:
+            record = answer(problem)
+        except BaseException as exc:
+            with lock:
+                failures.append(exc)
+            abort.set()
+            raise
         with lock:
             records[problem.id] = record
             done = len(records)
-            if progress and (done % every == 0 or done == len(problems)):
+            now = time.monotonic()
+            if progress and (now - last_report >= PROGRESS_EVERY_S or done == len(problems)):
+                last_report = now
                 hits = sum(r["correct"] for r in records.values())
                 progress(f"{client.base_url}: {done}/{len(problems)} answered, {hits} correct")
 
@@ -640,24 +674,7 @@ def run_gate(
                 f"config {config.name!r} has no threshold: set it to the checkpoint's recorded GSM8K "
                 f"strict-match accuracy, or pass --threshold or --baseline RESULT_JSON"
             )
-        files = resolve_data_files(config, data_dir)
-        test, train = load_split(files["test"], "test"), load_split(files["train"], "train")
-        problems = test[: config.num_questions] if config.num_questions else test
-        if config.num_questions and config.num_questions > len(test):
-            raise GateError(
-                f"num_questions={config.num_questions} but the test split has only {len(test)} problems"
-            )
-        exemplars = select_exemplars(train, config.num_shots, config.seed)
-        result["data"] = {
-            "source": config.data,
-            "test": str(files["test"]),
-            "test_sha256": sha256_file(files["test"]),
-            "train": str(files["train"]),
-            "train_sha256": sha256_file(files["train"]),
-            "num_questions": len(problems),
-            "num_shots": len(exemplars),
-            "exemplar_ids": [ex.id for ex in exemplars],
-        }
+        problems, exemplars, result["data"] = prepare_questions(config, data_dir)
 
         def client_for(url: str) -> OpenAIClient:
             return OpenAIClient(
@@ -708,6 +725,9 @@ def run_gate(
         return finish("passed", f"gsm8k gate PASSED: {summary}")
     except GateError as exc:
         return finish("error", f"gsm8k gate ERROR (no verdict, counts as a failure): {exc}")
+    except Exception as exc:  # a bug: still leave an "error" record, then show the traceback
+        finish("error", f"gsm8k gate ERROR (internal, no verdict): {type(exc).__name__}: {exc}")
+        raise
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
     nox -s gsm8k                                    CPU mechanics check: tiny checkpoint, real vLLM
     nox -s gsm8k -- --base-url URL [GATE ARGS]      gate a running server (GPU runner, real model)
+    GSM8K_GATE_ARGS="--base-url URL ..." nox -s pipeline      the same, inside the pipeline
 
 The mechanics check runs in the interpreter that has vLLM (``python ci/nox_gsm8k.py mechanics``,
 started by the session): it makes the tiny checkpoint, serves it with ``ci/vllm_server.py`` and
@@ -23,7 +24,9 @@ import dataclasses
 import importlib.util
 import json
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -209,8 +212,12 @@ def _record(record: Any, started: float) -> dict[str, Any]:
 
 
 def gsm8k(session: Any, record: Any = None) -> None:
-    """The pipeline step. ``record`` (optional) has ``artifact(path)`` and a ``details`` dict."""
-    args = list(session.posargs)
+    """The pipeline step. ``record`` (optional) has ``artifact(path)`` and a ``details`` dict.
+
+    Gate arguments come from the session's posargs, else from ``$GSM8K_GATE_ARGS`` (so that
+    ``nox -s pipeline`` on a GPU runner can gate its running server).
+    """
+    args = list(session.posargs) or shlex.split(os.environ.get("GSM8K_GATE_ARGS", ""))
     started = time.time() - 1
     try:
         if any(a == "--base-url" or a.startswith("--base-url=") for a in args):
@@ -248,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         "--model-dir", type=Path, help="an existing tiny checkpoint (default: make one)"
     )
     args = parser.parse_args(argv)
+    # A SIGTERM (a CI timeout, Ctrl-C of nox) unwinds the server's context manager: no orphans.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     summary = run_mechanics(args.out, args.model_dir)
     if not summary["ok"]:
         failed = [c["run"] for c in summary["checks"] if not c["ok"]]

@@ -38,6 +38,7 @@ ROOT = HERE.parent
 BASE_IMAGE = "qsa-base:bookworm"
 PODMAN_SOCKETS = ("/run/podman/podman.sock", "/var/run/podman/podman.sock")
 ONEAPI_REPO = "https://apt.repos.intel.com/oneapi"
+BUILD_OUTPUT_MANIFEST = "custom_esimd_kernels_vllm/provenance.json"
 
 Log = Callable[[str], None]
 
@@ -287,6 +288,8 @@ def export_tree(dest: Path, root: Path = ROOT) -> Path:
         shutil.copytree(root, dest, ignore=_EXPORT_IGNORE, symlinks=True)
         return dest
     for rel in filter(None, listed):
+        if rel == BUILD_OUTPUT_MANIFEST:
+            continue  # written by the build step, not a source
         src = root / rel
         if not src.exists() and not src.is_symlink():
             continue  # deleted in the working tree

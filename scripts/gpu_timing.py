@@ -11,6 +11,7 @@ eager reference; plus the device-to-device copy bandwidth (bytes read + written)
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -123,11 +124,15 @@ def main() -> None:
     parser.add_argument("--splits-sweep", action="store_true")
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--breakdown", action="store_true", help="per-kernel device time")
+    parser.add_argument("--only", default="", help="run only cases whose name contains this")
+    parser.add_argument("--no-bandwidth", action="store_true")
     args = parser.parse_args()
-    bw = copy_bandwidth_gbs()
+    bw = float("nan") if args.no_bandwidth else copy_bandwidth_gbs()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s (read+write)")
     rows = []
-    for name, case, target, nbytes in [*select_cases(), *attention_cases()]:
+    for name, case, target, nbytes in itertools.chain(select_cases(), attention_cases()):
+        if args.only not in name:
+            continue
         op = (
             qsa_ops.select_paged_tokens
             if name.startswith("select")

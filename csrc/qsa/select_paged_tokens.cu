@@ -52,7 +52,8 @@ static_assert(kCkPage % kScoreChunk == 0, "a chunk never straddles a page");
 
 constexpr int kSelectThreads = 1024;
 constexpr int kSelectWarps = kSelectThreads / 32;
-constexpr int kRadixBins = 2048;                      // 11-bit digits: passes of 11, 11, 10 bits
+constexpr int kRadixBins = 2048;
+constexpr int kRadixUnroll = 4;                       // keys per thread per histogram step                      // 11-bit digits: passes of 11, 11, 10 bits
 // NOTES: keys of one row live in shared memory when they fit (up to 48K blocks = 196K tokens,
 // 192 KiB); longer rows are read from the L2-resident workspace through the same generic
 // pointer. 192 KiB + 12 KiB of fixed arrays stays under the 227 KiB opt-in limit.
@@ -233,6 +234,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1)
     uint32_t* sk = reinterpret_cast<uint32_t*>(dyn_smem);
     const int n4 = nbv / 4;  // rows start 16-byte aligned: ncap is a multiple of 128
     const uint4* src4 = reinterpret_cast<const uint4*>(row_keys);
+#pragma unroll 4
     for (int i = tid; i < n4; i += kSelectThreads) reinterpret_cast<uint4*>(sk)[i] = src4[i];
     for (int i = n4 * 4 + tid; i < nbv; i += kSelectThreads) sk[i] = row_keys[i];
     K = sk;
@@ -252,22 +254,31 @@ __global__ void __launch_bounds__(kSelectThreads, 1)
       const uint32_t nbins = 1u << bits[pass];
       for (int i = tid; i < kRadixBins; i += kSelectThreads) sh.hist[i] = 0;
       __syncthreads();
-      for (int base = 0; base < nbv; base += kSelectThreads) {
-        const int j = base + tid;
-        uint32_t d = 0xffffffffu;  // sentinel: no bin
-        if (j < nbv) {
-          const uint32_t key = K[j];
-          if ((key & mask) == prefix) d = (key >> shift) & (nbins - 1);
+      // NOTES: 4 keys per thread per step, as independent chains (load, vote, atomic): one key
+      // per step left each warp waiting ~150 cycles per key (v2: 25 us for 32K keys).
+      for (int base = 0; base < nbv; base += kRadixUnroll * kSelectThreads) {
+        uint32_t d[kRadixUnroll];
+#pragma unroll
+        for (int u = 0; u < kRadixUnroll; ++u) {
+          const int j = base + u * kSelectThreads + tid;
+          d[u] = 0xffffffffu;  // sentinel: no bin
+          if (j < nbv) {
+            const uint32_t key = K[j];
+            if ((key & mask) == prefix) d[u] = (key >> shift) & (nbins - 1);
+          }
         }
         // NOTES: ReLU makes many keys equal (0.0 -> key 1): when the whole warp holds one
         // digit, one lane adds for all (a 32-way shared-atomic conflict otherwise). Mixed
         // warps add lane by lane; __match_any_sync would aggregate those too, but it costs
         // more than the conflicts it saves on distinct scores.
-        const uint32_t d0 = __shfl_sync(0xffffffffu, d, 0);
-        if (__all_sync(0xffffffffu, d == d0)) {
-          if (lane == 0 && d0 != 0xffffffffu) atomicAdd(&sh.hist[d0], 32u);
-        } else if (d != 0xffffffffu) {
-          atomicAdd(&sh.hist[d], 1u);
+#pragma unroll
+        for (int u = 0; u < kRadixUnroll; ++u) {
+          const uint32_t d0 = __shfl_sync(0xffffffffu, d[u], 0);
+          if (__all_sync(0xffffffffu, d[u] == d0)) {
+            if (lane == 0 && d0 != 0xffffffffu) atomicAdd(&sh.hist[d0], 32u);
+          } else if (d[u] != 0xffffffffu) {
+            atomicAdd(&sh.hist[d[u]], 1u);
+          }
         }
       }
       __syncthreads();
@@ -302,6 +313,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1)
   const int seg_lo = warp * seg;
   const int seg_hi = min(seg_lo + seg, nbv);
   int gt = 0, eq = 0;
+#pragma unroll 4
   for (int j0 = seg_lo; j0 < seg_hi; j0 += 32) {
     const int j = j0 + lane;
     uint32_t key = 0;
@@ -342,6 +354,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1)
     int eq_seen = sh.warp_eq_base[warp];
     int pos = sh.warp_out_base[warp];
     const unsigned lt = (1u << lane) - 1u;
+#pragma unroll 4
     for (int j0 = seg_lo; j0 < seg_hi; j0 += 32) {
       const int j = j0 + lane;
       uint32_t key = 0;
@@ -474,10 +487,12 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
   const int64_t chunks = std::max<int64_t>(1, (ncap + kScoreChunk - 1) / kScoreChunk);
   for (int64_t row0 = 0; row0 < p.rows; row0 += g) {
     const int64_t n = std::min<int64_t>(g, p.rows - row0);
-    // NOTES: about 4 CTAs of 256 threads per SM in total; each CTA loops over its row's
-    // chunks, so the grid does not grow with the page-table width (M = 8192 would otherwise
-    // launch 16K mostly idle CTAs per row).
-    const int64_t per_row = std::max<int64_t>(1, (4 * int64_t(sm_count()) + n - 1) / n);
+    // NOTES: at least 128 CTAs per row (one 64-block chunk each up to 32K tokens: v1 looped
+    // 14 chunks per CTA at R=64 and reached 1.9 TB/s, each chunk waiting on its page-table
+    // load) and at least 4 CTAs per SM in total; CTAs loop over the remaining chunks, so the
+    // grid does not grow with the page-table width (M = 8192 would launch 16K CTAs per row).
+    const int64_t per_row =
+        std::max<int64_t>(128, (4 * int64_t(sm_count()) + n - 1) / n);
     const dim3 score_grid(static_cast<unsigned>(std::min(chunks, per_row)),
                           static_cast<unsigned>(n));
     if (vec16) {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import asdict
@@ -106,6 +107,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="rotated input copies at most (default 256; 2 with --quick)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="run nothing: re-render the Markdown table and the plot of an existing results JSON",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -140,7 +147,7 @@ def configure(args: argparse.Namespace) -> tuple[BenchConfig, list[cases.CaseSpe
         max_copies=args.max_copies or (2 if quick else 256),
         cache_bytes=cache,
         memory_budget=budget,
-        graph=args.graph and device.type == "cuda",
+        graph=args.graph,
         compile=args.compile or ("none" if quick else "targets"),
         compile_budget_s=args.compile_budget_s,
         profile=args.profile,
@@ -174,8 +181,17 @@ def _progress(total: int, enabled: bool):
     return None
 
 
+def rerender(path: Path) -> int:
+    data = json.loads(path.read_text())
+    paths = report.write_all(data, path.parent, path.stem)
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json is not None:
+        return rerender(args.from_json)
     cfg, grid, time_budget = configure(args)
     t_start = time.perf_counter()
     stem = args.name or f"bench-{env.device_slug(cfg.device)}"

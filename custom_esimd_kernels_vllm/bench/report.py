@@ -19,7 +19,9 @@ def _us(seconds: float | None) -> str:
 
 
 def _pct(x: float | None) -> str:
-    return "–" if x is None or not math.isfinite(x) else f"{x:.0f} %"
+    if x is None or not math.isfinite(x):
+        return "–"
+    return f"{x:.0f} %" if x >= 10 else f"{x:.2g} %"
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -55,6 +57,40 @@ def _latency_table(cases: list[dict], mode: str) -> list[str]:
         cells.append(f"{_pct(m['pct_of_floor'].get(cand))} ({cand})")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _target_table(cases: list[dict]) -> list[str]:
+    """The kernels' performance-table cases: the kernel's median against its target and
+    the references of the same run (CUDA-graph replay where measured, else eager)."""
+    head = ["op", "case", "mode", "target µs", "kernel µs", "met", "ref-compiled µs",
+            "ref-vectorised µs", "kernel % of floor"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    count = 0
+    for c in cases:
+        target = c["spec"].get("target_us")
+        modes = c.get("modes", {})
+        mode = next((m for m in MODES if m in modes), None)
+        if target is None or mode is None:
+            continue
+        m = modes[mode]
+        lat = m["latency"]
+
+        def med(name, lat=lat):
+            return lat[name]["median"] if name in lat else None
+
+        kernel = med("kernel")
+        met = "–" if kernel is None else ("yes" if kernel * 1e6 <= target else "no")
+        ratios = {n: f" ({med(n) / kernel:.1f}x)" if kernel and med(n) else "" for n in lat}
+        count += 1
+        lines.append(
+            "| " + " | ".join([
+                c["spec"]["op"], c["spec"]["name"], mode, f"{target:g}", _us(kernel), met,
+                _us(med("ref-compiled")) + ratios.get("ref-compiled", ""),
+                _us(med("ref-vectorised")) + ratios.get("ref-vectorised", ""),
+                _pct(m["pct_of_floor"].get("kernel")),
+            ]) + " |"
+        )  # fmt: skip
+    return lines if count else []
 
 
 def _comparison_table(cases: list[dict]) -> list[str]:
@@ -148,6 +184,11 @@ def markdown(data: dict) -> str:
         f"measured in this run).",
         "",
     ]
+    targets = _target_table(cases)
+    if targets:
+        lines += ["## Performance-table cases", "",
+                  "Median per call; in brackets the reference's time over the kernel's.", "",
+                  *targets, ""]  # fmt: skip
     for mode, title in (
         ("graph", "CUDA-graph replay"),
         ("eager", "Eager (host overhead included)"),
@@ -221,6 +262,8 @@ def plot(data: dict, path: Path) -> str | None:
                 ctx, [c["floor"]["seconds"] * 1e6 for c in sel], "k:", lw=2, label="memory floor"
             )
             ax.set_xscale("log", base=2)
+            ax.set_xticks(ctx, [f"{x // 1024}K" if x % 1024 == 0 else str(x) for x in ctx])
+            ax.minorticks_off()
             ax.set_yscale("log")
             ax.set_title(f"{op}, R={rows}", fontsize=10)
             ax.set_xlabel("context (tokens)")

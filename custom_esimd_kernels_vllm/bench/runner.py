@@ -118,6 +118,10 @@ def _measure(units: dict[str, object], cfg: BenchConfig) -> dict[str, object]:
     }
 
 
+def graph_supported(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
 def _graph_unit(impl: Impl, copies: list[Args], est: float, cfg: BenchConfig) -> GraphUnit:
     min_calls = min(len(copies), cfg.max_calls)
     calls = calls_per_unit(est, cfg.unit_s, cfg.max_calls, cfg.max_unit_s, min_calls)
@@ -184,7 +188,7 @@ def run_case(
             info["error"] = _error(exc)
     del ref_args
 
-    modes = ["eager"] + (["graph"] if device.type == "cuda" and cfg.graph else [])
+    modes = ["eager"] + (["graph"] if cfg.graph and graph_supported(device) else [])
     for mode in modes:
         status(mode)
         units: dict[str, object] = {}

@@ -1,8 +1,9 @@
 """PyTorch reference of the two QSA operators: the executable specification.
 
 Pure torch, CPU and GPU, and free of host synchronisation: no ``.item()``, ``.tolist()``,
-``.nonzero()``, boolean-mask indexing, data-dependent shapes or Python branches on tensor
-values. Branches and loops below depend on shapes only, so the functions can be captured in
+``.nonzero()``, boolean-mask indexing, data-dependent shapes, Python branches on tensor
+values, or ``torch.tensor(...)`` literals (a host-to-device copy on CUDA; constants are made
+with ``torch.full``). Branches and loops below depend on shapes only, so the functions can be captured in
 a CUDA graph and traced by ``torch.compile(fullgraph=True)``.
 
 The functions do not validate their arguments (``qsa_ops`` does that before any backend runs)
@@ -74,7 +75,9 @@ def block_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         dots = (qf[:, h, None, :] * kf).sum(dim=-1)  # [C, J]
         term = torch.relu(dots)
         total = term if total is None else total + term
-    scale = torch.tensor(SCORE_SCALE, dtype=torch.float32, device=q.device)
+    scale = torch.full(
+        (), SCORE_SCALE, dtype=torch.float32, device=q.device
+    )  # float32(1/sqrt(128))
     return total * scale + 0.0
 
 
@@ -109,7 +112,7 @@ def select_paged_tokens_ref(
         keys_flat = compressed_key_cache.view(pages * CK_PAGE, INDEX_DIM)
         j = torch.arange(num_blocks, device=device)
         in_page = torch.arange(CK_PAGE, device=device)
-        ninf = torch.tensor(float("-inf"), device=device)
+        ninf = torch.full((), float("-inf"), device=device)
         for s in _row_chunks(rows, INDEX_HEADS * INDEX_DIM * num_blocks):
             phys = page_table[b[s]].long()  # [C, M]
             page_ok = (phys >= 0) & (phys < pages)
@@ -174,7 +177,7 @@ def sparse_paged_attention_ref(
     slot = idx.clamp_min(0) % KV_PAGE
 
     heads = q.shape[1]
-    ninf = torch.tensor(float("-inf"), device=q.device)
+    ninf = torch.full((), float("-inf"), device=q.device)
     for s in _row_chunks(rows, heads * WIDTH * HEAD_DIM):
         keys = k_cache[phys[s], slot[s], 0].float()  # [C, W, 256]
         values = v_cache[phys[s], slot[s], 0].float()  # [C, W, 256]

@@ -21,7 +21,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-import numpy as np
 import torch
 
 from .contract import (
@@ -599,11 +598,11 @@ def expected_selection_row(case: SelectCase, r: int, lists: list[list] | None = 
     if usable:
         phys = torch.tensor([page_table[b][j // CK_PAGE] for j in usable])
         slots = torch.tensor([j % CK_PAGE for j in usable])
-        keys = case.compressed_key_cache.detach().cpu()[phys, slots, 0].double().numpy()  # [U, 128]
-        qr = case.q.detach().cpu()[r].double().numpy()  # [4, 128]
-        scores = np.maximum(qr @ keys.T, 0.0).sum(axis=0) / math.sqrt(INDEX_DIM)
+        keys = case.compressed_key_cache.detach().cpu()[phys, slots, 0].double()  # [U, 128]
+        qr = case.q.detach().cpu()[r].double()  # [4, 128]
+        scores = (qr @ keys.T).clamp_min(0.0).sum(dim=0) / math.sqrt(INDEX_DIM)
     else:
-        scores = np.zeros(0)
+        scores = torch.zeros(0, dtype=torch.float64)
     return usable, scores, n, nb, t
 
 
@@ -672,7 +671,7 @@ def check_selection(case: SelectCase, out: torch.Tensor, exact: bool | None = No
                         f"(score {score_of[j_got]}); order is score desc, then lower j",
                     )
         elif kb:
-            tol = SELECTION_TOLERANCE * float(np.abs(scores).max())
+            tol = SELECTION_TOLERANCE * float(scores.abs().max())
             chosen_set = set(chosen)
             rest = [score_of[j] for j in usable if j not in chosen_set]
             worst_chosen = min(range(kb), key=lambda k: score_of[chosen[k]])
@@ -690,7 +689,7 @@ def check_selection(case: SelectCase, out: torch.Tensor, exact: bool | None = No
                     )
 
 
-def expected_attention(case: AttentionCase) -> np.ndarray:
+def expected_attention(case: AttentionCase) -> torch.Tensor:
     """float64 [R, 3, 256] expected output, computed with loops over rows and entries."""
     indices, page_table, token_to_req = _cpu_lists(
         case.logical_indices, case.page_table, case.token_to_req
@@ -699,9 +698,9 @@ def expected_attention(case: AttentionCase) -> np.ndarray:
     num_pages = case.k_cache.shape[0]
     k_cache = case.k_cache.detach().cpu()
     v_cache = case.v_cache.detach().cpu()
-    q = case.q.detach().cpu().double().numpy()
+    q = case.q.detach().cpu().double()
     rows = q.shape[0]
-    result = np.zeros((rows, ATTN_HEADS, HEAD_DIM))
+    result = torch.zeros(rows, ATTN_HEADS, HEAD_DIM, dtype=torch.float64)
     for r in range(rows):
         b = token_to_req[r]
         if not 0 <= b < len(page_table):
@@ -716,11 +715,11 @@ def expected_attention(case: AttentionCase) -> np.ndarray:
                 slots.append(i % KV_PAGE)
         if not phys:
             continue
-        keys = k_cache[phys, slots, 0].double().numpy()  # [N, 256]
-        values = v_cache[phys, slots, 0].double().numpy()
+        keys = k_cache[phys, slots, 0].double()  # [N, 256]
+        values = v_cache[phys, slots, 0].double()
         for h in range(ATTN_HEADS):
             logits = scale * (keys @ q[r, h])
-            w = np.exp(logits - logits.max())
+            w = torch.exp(logits - logits.max())
             result[r, h] = (w / w.sum()) @ values
     return result
 
@@ -730,11 +729,11 @@ def check_attention(
 ) -> float:
     """Check ``out`` against the float64 expectation: no NaN, rows without valid entries
     exactly zero, ||out - ref|| / ||ref|| < tol. Returns the relative error."""
-    got = out.detach().cpu().double().numpy()
+    got = out.detach().cpu().double()
     want = expected_attention(case)
     if got.shape != want.shape:
         raise AssertionError(f"{case!r}: out has shape {got.shape}, expected {want.shape}")
-    bad = np.argwhere(~np.isfinite(got))
+    bad = (~torch.isfinite(got)).nonzero().tolist()
     if len(bad):
         r, h, d = bad[0]
         raise AssertionError(
@@ -742,17 +741,17 @@ def check_attention(
         )
     for r in range(want.shape[0]):
         if not want[r].any() and got[r].any():
-            h, d = np.argwhere(got[r] != 0)[0]
+            h, d = (got[r] != 0).nonzero()[0].tolist()
             raise AssertionError(
-                f"{case!r}: row {r} has no valid entry and must be zero, got {got[r, h, d]} at [{h}, {d}]"
+                f"{case!r}: row {r} has no valid entry and must be zero, got {float(got[r, h, d])} at [{h}, {d}]"
             )
-    norm = float(np.linalg.norm(want))
-    err = float(np.linalg.norm(got - want)) / norm if norm > 0 else 0.0
+    norm = float(torch.linalg.vector_norm(want))
+    err = float(torch.linalg.vector_norm(got - want)) / norm if norm > 0 else 0.0
     if err >= tol:
-        diff = np.abs(got - want)
-        r, h, d = np.unravel_index(int(diff.argmax()), diff.shape)
+        diff = (got - want).abs()
+        r, h, d = (int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
         raise AssertionError(
             f"{case!r}: relative error {err:.3e} >= {tol:.0e}; worst at [{r}, {h}, {d}]: "
-            f"got {got[r, h, d]}, expected {want[r, h, d]}"
+            f"got {float(got[r, h, d])}, expected {float(want[r, h, d])}"
         )
     return err

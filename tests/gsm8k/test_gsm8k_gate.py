@@ -311,3 +311,26 @@ def test_stale_results_are_removed(fake_server, bundled_answers, tmp_path: Path)
     assert (tmp_path / "questions.jsonl").exists()
     gsm8k_gate.run_gate(config("http://127.0.0.1:9", retries=0), tmp_path)
     assert not (tmp_path / "questions.jsonl").exists()  # no log of a previous run left behind
+
+
+def test_url_without_scheme_is_an_error(tmp_path: Path) -> None:
+    outcome = gsm8k_gate.run_gate(config("127.0.0.1:8000"), tmp_path)
+    assert outcome.status == "error" and "cannot be sent" in outcome.message
+
+
+def test_internal_errors_leave_an_error_record(fake_server, tmp_path: Path, monkeypatch) -> None:
+    server = fake_server(lambda path, body, call: (200, completion_body(body, "#### 1")))
+
+    def broken(completion: str) -> str:
+        raise ZeroDivisionError("bug")
+
+    monkeypatch.setattr(gsm8k_gate, "extract_answer", broken)
+    with pytest.raises(ZeroDivisionError):
+        gsm8k_gate.run_gate(config(server.url), tmp_path)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["status"] == "error" and "ZeroDivisionError" in result["message"]
+
+
+def test_more_questions_than_the_split_is_an_error(tmp_path: Path) -> None:
+    outcome = gsm8k_gate.run_gate(config("http://127.0.0.1:9", num_questions=31), tmp_path)
+    assert outcome.status == "error" and "test split has only 30 problems" in outcome.message

@@ -82,3 +82,12 @@ def test_module_entry_point_help():
     for flag in ("--quick", "--grid", "--ops", "--pairs", "--out-dir", "--graph", "--no-graph",
                  "--time-budget-s"):  # fmt: skip
         assert flag in r.stdout
+
+
+def test_rerender_from_json(quick_run, tmp_path):
+    src = quick_run / "bench-cpu.json"
+    copy = tmp_path / "bench-cpu.json"
+    copy.write_text(src.read_text())
+    assert cli.main(["--from-json", str(copy)]) == 0
+    assert (tmp_path / "bench-cpu.md").read_text() == (quick_run / "bench-cpu.md").read_text()
+    assert (tmp_path / "bench-cpu.png").stat().st_size > 0
