@@ -177,11 +177,12 @@ class VLLMServer:
                     self.proc.poll()
                     time.sleep(0.2)
                 if _group_alive(pgid):
-                    problems.append(f"process group {pgid} ignored SIGTERM for {self.grace} s")
+                    problems.append(f"process group {pgid} ignored SIGTERM for {self.grace:.0f} s")
                     os.killpg(pgid, signal.SIGKILL)
-                    time.sleep(0.5)
             self.proc.wait(timeout=30)
-            self.proc.poll()
+            deadline = time.monotonic() + 10  # killed processes need a moment to be reaped
+            while _group_alive(pgid) and time.monotonic() < deadline:
+                time.sleep(0.2)
             if _group_alive(pgid):
                 problems.append(f"process group {pgid} survives SIGKILL")
         if self._log is not None:

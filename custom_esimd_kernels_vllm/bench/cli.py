@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json is not None:
         return rerender(args.from_json)
     cfg, grid, time_budget = configure(args)
-    t_start = time.perf_counter()
+    t_start, cpu_start = time.perf_counter(), time.process_time()
     stem = args.name or f"bench-{env.device_slug(cfg.device)}"
     data: dict = {
         "schema": SCHEMA,
@@ -255,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     data["compile_seconds"] = ledger.seconds
     data["wall_seconds"] = time.perf_counter() - t_start
+    data["cpu_seconds"] = time.process_time() - cpu_start  # this process, all threads
     for c in data["cases"]:
         for e in c.get("errors", []):
             data["notes"].append(f"case {c['spec']['op']} / {c['spec']['name']} failed: {e}")

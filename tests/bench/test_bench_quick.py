@@ -20,8 +20,11 @@ def quick_run(tmp_path_factory):
 
 def test_quick_writes_json_md_png(quick_run):
     out = quick_run
-    seconds = json.loads((out / "bench-cpu.json").read_text())["wall_seconds"]
-    assert seconds < 60, f"--quick took {seconds:.0f} s (CI budget: 60 s)"
+    # NOTES: the CPU time of the run (all threads), not its wall time: on an idle 2-core
+    # runner the wall time is at most that, while a loaded machine stretches the wall time
+    # without saying anything about the harness (about 20 s of CPU time today).
+    seconds = json.loads((out / "bench-cpu.json").read_text())["cpu_seconds"]
+    assert seconds < 60, f"--quick used {seconds:.0f} s of CPU time (CI budget: 60 s)"
     assert sorted(p.name for p in out.iterdir()) == [
         "bench-cpu.json",
         "bench-cpu.md",
