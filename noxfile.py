@@ -618,6 +618,23 @@ def verify(session: nox.Session) -> None:
     with session.chdir(scratch):
         out = session.run("python", "-m", f"{PACKAGE}.qsa_ops.provenance", "--check", silent=True)
         evidence = json.loads(out[out.index("{") :])
+        loaded = Path(evidence["dso"]["path"]).resolve()
+        venv = Path(session.virtualenv.location).resolve()
+        if venv not in loaded.parents:
+            session.error(f"the DSO loaded from {loaded}, not from the wheel installed in {venv}")
+        dso_name = Path(manifest["dso"]["path"]).name
+        checks = {
+            "module reports": evidence["dso"]["sha256"],
+            "installed file": sha256(loaded),
+            "manifest": manifest["dso"]["sha256"],
+            "wheel member": wheel_members(whl)[f"{PACKAGE}/{dso_name}"],
+            "SHA256SUMS": sums.get(dso_name),
+        }
+        for what, digest in checks.items():
+            session.log(f"{what:>15}: {digest}")
+        if len(set(checks.values())) != 1:
+            session.error(f"DSO SHA256 mismatch: {checks}")
+        Step.current.details.update(dso_sha256=checks["manifest"], agreeing=list(checks))
         session.run("python", "-c", f"from {PACKAGE} import qsa_ops; print(qsa_ops.build_info())")
         # The CPU suite against the installed package; `tests` already ran it with the full
         # property-test budget, so the "dev" profile (a tenth of the examples) is enough here.
@@ -625,23 +642,6 @@ def verify(session: nox.Session) -> None:
             "python", "-m", "pytest", str(ROOT / "tests" / "cpu"), "-q", "-p", "no:cacheprovider",
             env={"HYPOTHESIS_PROFILE": "dev"},
         )  # fmt: skip
-    loaded = Path(evidence["dso"]["path"])
-    venv = Path(session.virtualenv.location).resolve()
-    if venv not in loaded.resolve().parents:
-        session.error(f"the DSO loaded from {loaded}, not from the wheel installed in {venv}")
-    dso_name = Path(manifest["dso"]["path"]).name
-    checks = {
-        "module reports": evidence["dso"]["sha256"],
-        "installed file": sha256(loaded),
-        "manifest": manifest["dso"]["sha256"],
-        "wheel member": wheel_members(whl)[f"{PACKAGE}/{dso_name}"],
-        "SHA256SUMS": sums.get(dso_name),
-    }
-    for what, digest in checks.items():
-        session.log(f"{what:>15}: {digest}")
-    if len(set(checks.values())) != 1:
-        session.error(f"DSO SHA256 mismatch: {checks}")
-    Step.current.details.update(dso_sha256=evidence["dso"]["sha256"], checks=list(checks))
 
 
 @nox.session

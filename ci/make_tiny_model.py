@@ -73,7 +73,11 @@ def make_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     def norm(n: int) -> torch.Tensor:
         return 1.0 + normal(n, std=0.1)
 
-    h, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    h, heads, kv = (
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    )
     weights = {"model.embed_tokens.weight": normal(config["vocab_size"], h, std=1.0)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."

@@ -33,6 +33,26 @@ void check(cudaError_t err, const char* what) {
   }
 }
 
+// Makes `device` current for one call and restores the caller's device afterwards: the
+// driver context is shared with torch's runtime, so a leaked cudaSetDevice would silently
+// change torch.cuda.current_device().
+class DeviceGuard {
+ public:
+  DeviceGuard(int device, const char* what) : device_(device) {
+    check(cudaGetDevice(&previous_), what);
+    if (previous_ != device_) check(cudaSetDevice(device_), what);
+  }
+  ~DeviceGuard() {
+    if (previous_ != device_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int device_;
+  int previous_ = 0;
+};
+
 template <typename T>
 T* as_ptr(ptr_t p) {
   return reinterpret_cast<T*>(p);
@@ -49,7 +69,7 @@ PYBIND11_MODULE(_qsa_cuda, m) {
          ptr_t query_positions, ptr_t sequence_lengths, ptr_t out, int64_t rows, int64_t requests,
          int64_t table_width, int64_t pages, int64_t page_table_stride, int64_t out_stride,
          ptr_t workspace, size_t workspace_bytes, ptr_t stream) {
-        check(cudaSetDevice(device), "select_paged_tokens: cudaSetDevice");
+        const DeviceGuard guard(device, "select_paged_tokens: selecting the device");
         const qsa::SelectParams p{as_ptr<const void>(q), as_ptr<const void>(compressed_keys),
                                   as_ptr<const int32_t>(page_table),
                                   as_ptr<const int32_t>(token_to_req),
@@ -71,7 +91,7 @@ PYBIND11_MODULE(_qsa_cuda, m) {
          ptr_t token_to_req, ptr_t out, int64_t rows, int64_t requests, int64_t table_width,
          int64_t pages, int64_t indices_stride, int64_t page_table_stride, float softmax_scale,
          int splits, ptr_t workspace, size_t workspace_bytes, ptr_t counters, ptr_t stream) {
-        check(cudaSetDevice(device), "sparse_paged_attention: cudaSetDevice");
+        const DeviceGuard guard(device, "sparse_paged_attention: selecting the device");
         const qsa::AttentionParams p{as_ptr<const void>(q), as_ptr<const void>(kv),
                                      as_ptr<const int32_t>(logical_indices),
                                      as_ptr<const int32_t>(page_table),

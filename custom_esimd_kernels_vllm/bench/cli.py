@@ -13,7 +13,7 @@ import torch
 
 from . import cases, env, report
 from .impls import ALL
-from .runner import BenchConfig, CompileLedger, run_case
+from .runner import BenchConfig, CompileLedger, format_error, run_case
 from .timing import measure_copy_bandwidth
 
 SCHEMA = "qsa-bench/1"
@@ -204,15 +204,16 @@ def main(argv: list[str] | None = None) -> int:
             "grid": args.grid or ("quick" if args.quick else "default"),
             "quick": args.quick,
             "time_budget_s": time_budget,
-            "argv": sys.argv[1:] if argv is None else list(argv),
+            "argv": [env.strip_paths(a) for a in (sys.argv[1:] if argv is None else argv)],
         },
         "cases": [],
         "notes": [],
     }
     if args.quick:
         data["notes"].append(
-            "--quick: CPU reference implementations only, tiny grid, torch.compile skipped for "
-            "time, no CUDA graphs; the numbers prove the harness, not the kernels"
+            "--quick: a tiny grid on the CPU reference implementations"
+            + (", torch.compile skipped for time" if cfg.compile == "none" else "")
+            + ", no CUDA graphs; the numbers prove the harness, not the kernels"
         )
     copy_bytes = GPU_COPY_BYTES if cfg.device.type == "cuda" else CPU_COPY_BYTES
     data["copy_bandwidth"] = measure_copy_bandwidth(cfg.device, copy_bytes)
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             result = run_case(spec, cfg, bandwidth, ledger, status)
         except Exception as exc:  # one broken case must not lose the rest of the run
-            result = {"spec": spec.to_dict(), "errors": [f"{type(exc).__name__}: {exc}"]}
+            result = {"spec": spec.to_dict(), "errors": [format_error(exc)]}
             if cfg.device.type == "cuda":
                 torch.cuda.empty_cache()
         data["cases"].append(result)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import re
@@ -13,6 +14,12 @@ import torch
 
 COMMIT_ENV = "QSA_COMMIT"
 DEFAULT_L2_BYTES = 60 * 1024 * 1024  # H200 (used when the device does not report its L2)
+
+
+def strip_paths(text: str) -> str:
+    """``/any/dir/file.py`` -> ``file.py``: results are committed and must not carry machine
+    paths, and messages of torch or of the loader may."""
+    return re.sub(r"(?<![\w.])/(?:[\w.+-]+/)+", "", text)
 
 
 def device_slug(device: torch.device) -> str:
@@ -61,13 +68,14 @@ def git_commit(root: Path) -> dict[str, object]:
 
 def _build_identity() -> dict[str, object]:
     """qsa_ops.build_info() and the loaded DSO's SHA256 (never raises)."""
+
     out: dict[str, object] = {}
     try:
         from ..qsa_ops import build_info
 
-        out["build_info"] = build_info()
+        out["build_info"] = json.loads(strip_paths(json.dumps(build_info(), default=str)))
     except Exception as exc:  # recorded; the benchmark still runs
-        out["build_info_error"] = f"{type(exc).__name__}: {exc}"
+        out["build_info_error"] = strip_paths(f"{type(exc).__name__}: {exc}")
     try:
         from ..qsa_ops import provenance
 
@@ -75,7 +83,7 @@ def _build_identity() -> dict[str, object]:
         out["dso"] = {"file": Path(dso["path"]).name, "sha256": dso["sha256"]}
     except Exception as exc:  # no DSO on a CPU-only install
         out["dso"] = None
-        out["dso_error"] = f"{type(exc).__name__}: {exc}"
+        out["dso_error"] = strip_paths(f"{type(exc).__name__}: {exc}")
     return out
 
 

@@ -7,12 +7,14 @@ import gc
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from . import impls as impls_mod
 from . import rotation
 from .cases import ATTENTION, CaseSpec, build
+from .env import strip_paths
 from .floor import floor_bytes, percent_of_floor
 from .impls import ALL, ROWWISE_MAX_ROWS, Args, Impl
 from .profiling import capture
@@ -58,9 +60,13 @@ class CompileLedger:
         return None
 
 
-def _error(exc: BaseException) -> str:
-    tb = traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3)
-    return "".join(tb).strip()[-2000:]
+def format_error(exc: BaseException) -> str:
+    """``Type: message`` and the innermost frames as ``file.py:line in function`` (file names
+    only: the results are committed and must not carry machine paths)."""
+    frames = traceback.extract_tb(exc.__traceback__)[-4:]
+    where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in reversed(frames))
+    message = strip_paths(f"{type(exc).__name__}: {exc}")[:1500]
+    return message + (f" (at {where})" if where else "")
 
 
 def _fresh(args: Args, op: str) -> Args:
@@ -99,7 +105,7 @@ def _measure(units: dict[str, object], cfg: BenchConfig) -> dict[str, object]:
         try:
             pairs = run_pairs(units[base], units[cand], cfg.pairs, cfg.warmup_units)
         except Exception as exc:  # a baseline failing must not lose the others
-            errors[base] = _error(exc)
+            errors[base] = format_error(exc)
             continue
         comp = compare(pairs)
         comparisons.append(
@@ -185,7 +191,7 @@ def run_case(
             info["eager_estimate_s"] = est
             live.append((impl, est))
         except Exception as exc:
-            info["error"] = _error(exc)
+            info["error"] = format_error(exc)
     del ref_args
 
     modes = ["eager"] + (["graph"] if cfg.graph and graph_supported(device) else [])
@@ -202,7 +208,7 @@ def run_case(
                 else:
                     units[impl.name] = _graph_unit(impl, copies, est, cfg)
             except Exception as exc:
-                result["impls"][impl.name][f"{mode}_error"] = _error(exc)
+                result["impls"][impl.name][f"{mode}_error"] = format_error(exc)
         if not units:
             continue
         try:
@@ -212,7 +218,7 @@ def run_case(
             }
             result["modes"][mode] = measured
         except Exception as exc:  # keep the other mode and the profile
-            result["errors"].append(f"{mode} timing: {_error(exc)}")
+            result["errors"].append(f"{mode} timing: {format_error(exc)}")
         finally:
             for u in units.values():
                 u.close()
@@ -225,7 +231,7 @@ def run_case(
             try:
                 profiles[impl.name] = capture(impl, _fresh(copies[0], spec.op), device)
             except Exception as exc:
-                profiles[impl.name] = {"error": _error(exc)}
+                profiles[impl.name] = {"error": format_error(exc)}
         result["profile"] = profiles
 
     del copies

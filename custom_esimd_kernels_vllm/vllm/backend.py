@@ -53,7 +53,9 @@ class QSAMetadataBuilder(AttentionMetadataBuilder[QSAMetadata]):
         num_tokens = cm.num_actual_tokens
         num_reqs = cm.num_reqs
         query_start_loc = cm.query_start_loc[: num_reqs + 1]
-        tokens = torch.arange(num_tokens, device=query_start_loc.device, dtype=query_start_loc.dtype)
+        tokens = torch.arange(
+            num_tokens, device=query_start_loc.device, dtype=query_start_loc.dtype
+        )
         # request b owns tokens [query_start_loc[b], query_start_loc[b + 1]); padding -> B
         token_to_req = torch.searchsorted(query_start_loc[1:], tokens, right=True)
         return QSAMetadata(

@@ -73,7 +73,9 @@ def carve(flat: torch.Tensor, num_pages: int) -> QSALayerCache:
 
 def allocate(num_pages: int, device: torch.device | str = "cpu") -> QSALayerCache:
     """A zeroed cache of ``num_pages`` pages (reference model and tests; vLLM allocates its own)."""
-    return carve(torch.zeros(num_pages * PAGE_ELEMENTS, dtype=CACHE_DTYPE, device=device), num_pages)
+    return carve(
+        torch.zeros(num_pages * PAGE_ELEMENTS, dtype=CACHE_DTYPE, device=device), num_pages
+    )
 
 
 def compress_keys(keys: torch.Tensor, index_wk: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,9 @@ class QSAConfig:
             ("index_n_heads", self.index_heads, contract.INDEX_HEADS),
         ):
             if total != per_rank * tp_size:
-                problems.append(f"{what} must be {per_rank} * TP = {per_rank * tp_size}, got {total}")
+                problems.append(
+                    f"{what} must be {per_rank} * TP = {per_rank * tp_size}, got {total}"
+                )
         for what, value, expected in (
             ("head_dim", self.head_dim, contract.HEAD_DIM),
             ("index_head_dim", self.index_dim, contract.INDEX_DIM),

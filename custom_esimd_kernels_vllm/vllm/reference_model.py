@@ -116,7 +116,9 @@ class QSAReferenceModel:
             v = F.linear(h, w[p + "self_attn.v_proj.weight"]).view(-1, g, HEAD_DIM)
             q = _rope(self._norm(q, w[p + "self_attn.q_norm.weight"]), positions, self.theta)
             k = _rope(self._norm(k, w[p + "self_attn.k_norm.weight"]), positions, self.theta)
-            iq = F.linear(h, w[p + "self_attn.index_wq.weight"]).view(-1, g * INDEX_HEADS, INDEX_DIM)
+            iq = F.linear(h, w[p + "self_attn.index_wq.weight"]).view(
+                -1, g * INDEX_HEADS, INDEX_DIM
+            )
             k16, v16 = k.to(HALF), v.to(HALF)
             self.k[i] = k16 if self.k[i] is None else torch.cat([self.k[i], k16])
             self.v[i] = v16 if self.v[i] is None else torch.cat([self.v[i], v16])

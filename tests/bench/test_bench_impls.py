@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from custom_esimd_kernels_vllm.bench import cases, cli, impls
-from custom_esimd_kernels_vllm.bench.runner import _check
+from custom_esimd_kernels_vllm.bench.env import strip_paths
+from custom_esimd_kernels_vllm.bench.runner import _check, format_error
 from custom_esimd_kernels_vllm.qsa_ops import reference
 
 
@@ -57,3 +58,15 @@ def test_checks():
     x = torch.ones(2, 3, 256, dtype=torch.float16)
     assert _check("attention", x, x)["ok"]
     assert not _check("attention", torch.full_like(x, float("nan")), x)["ok"]
+
+
+def test_errors_carry_no_machine_paths():
+    assert strip_paths("OSError: /opt/x/lib/_qsa_cuda.so: bad ELF; 1/2") == (
+        "OSError: _qsa_cuda.so: bad ELF; 1/2"
+    )
+    try:
+        raise RuntimeError("cannot open /home/someone/cache/kernel.cubin")
+    except RuntimeError as exc:
+        text = format_error(exc)
+    assert text.startswith("RuntimeError: cannot open kernel.cubin (at test_bench_impls.py:")
+    assert "/" not in text.split(" (at ")[1]

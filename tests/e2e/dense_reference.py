@@ -55,6 +55,8 @@ class DenseReference:
             tokens.append(token)
             if len(tokens) == max_new_tokens:
                 break
-            out = self.model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            out = self.model(
+                input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True
+            )
             past = out.past_key_values
         return tokens

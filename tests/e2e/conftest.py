@@ -1,0 +1,27 @@
+"""Fixtures of the vLLM end-to-end suite (run by ``nox -s e2e`` in a vLLM environment)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+for path in (ROOT / "ci", Path(__file__).resolve().parent):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from make_tiny_model import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("qsa-tiny-tp1"), tp=1, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_tp2(tmp_path_factory) -> Path:
+    from make_tiny_model import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("qsa-tiny-tp2"), tp=2, seed=0)
