@@ -32,6 +32,7 @@ class Target:
     toolchain: str  # the compiler driver that must be on PATH
     arch_flags: tuple[str, ...]
     flags: tuple[str, ...]
+    link_flags: tuple[str, ...] = ()
     macros: dict[str, int] = field(default_factory=lambda: dict(CONTRACT_MACROS))
     container_image: str = ""  # docker/ recipe that builds this target
     description: str = ""
@@ -51,7 +52,15 @@ TARGETS: dict[str, Target] = {
             "--expt-relaxed-constexpr",
             "-Xcompiler=-fPIC",
             "-Xcompiler=-fvisibility=hidden",
+            # NOTES: release build, as CPython's own extension flags are; without it the
+            # assert()s of pybind11 and Python embed absolute header paths in the DSO.
+            "-DNDEBUG",
         ),
+        # NOTES: nvcc compiles host code from temporary files named after its process id
+        # (tmpxft_<pid>_...cudafe1.cpp) and the host compiler records that name as a local
+        # file symbol; dropping the static symbol table (.dynsym stays) makes builds
+        # byte-identical.
+        link_flags=("-Xlinker=--strip-all",),
         container_image="qsa-build-cuda",
         description="NVIDIA Hopper (H100/H200), CUDA C++ kernels",
     ),

@@ -38,10 +38,6 @@ CSRC = "csrc"
 KERNEL_SOURCES = ("csrc/qsa/select_paged_tokens.cu", "csrc/qsa/sparse_paged_attention.cu")
 BINDINGS = "csrc/bindings.cpp"
 SKIP_ENV = "QSA_SKIP_CUDA_BUILD"
-# NOTES: nvcc compiles host code from temporary files named after its process id
-# (tmpxft_<pid>_...cudafe1.cpp) and the host compiler records that name as a local file
-# symbol; dropping the static symbol table (.dynsym stays) makes two builds byte-identical.
-LINK_FLAGS = ("-Xlinker=--strip-all",)
 
 
 def source_files(root: Path = ROOT) -> list[str]:
@@ -105,9 +101,6 @@ class BuildQsaCuda(build_ext):
             f"-I{sysconfig.get_paths()['include']}",
         ]
         info = [
-            # NOTES: release build of the Python binding, as CPython's own extension flags do;
-            # without it pybind11's and Python's assert()s embed absolute header paths.
-            "-DNDEBUG",
             f'-DQSA_ARCH="{target_arch()}"',
             f'-DQSA_VERSION="{package_version()}"',
             f'-DQSA_SOURCE_SHA256="{source_sha256()}"',
@@ -123,7 +116,7 @@ class BuildQsaCuda(build_ext):
         objects = [obj for _, obj in jobs]
         # NOTES: nvcc links the CUDA runtime statically (its default), so the module depends
         # on the driver only and works next to any torch build of the same major CUDA.
-        self._run([nvcc, *TARGET.arch_flags, "-shared", *LINK_FLAGS, *objects, "-o", str(out)])
+        self._run([nvcc, *TARGET.arch_flags, "-shared", *TARGET.link_flags, *objects, "-o", str(out)])
 
     @staticmethod
     def _run(cmd: list[str]) -> None:

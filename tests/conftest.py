@@ -27,5 +27,5 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
