@@ -247,7 +247,7 @@ def plot(data: dict, path: Path) -> str | None:
                 key=lambda c: c["spec"]["context"],
             )
             ctx = [c["spec"]["context"] for c in sel]
-            for name in ALL:
+            for k, name in enumerate(ALL):
                 for mode, style in (("graph", "-o"), ("eager", "--x")):
                     pts = [
                         (c["spec"]["context"], c["modes"][mode]["latency"][name]["median"] * 1e6)
@@ -256,7 +256,9 @@ def plot(data: dict, path: Path) -> str | None:
                     ]
                     if pts:
                         xs, ys = zip(*pts, strict=True)
-                        ax.plot(xs, ys, style, label=f"{name} ({mode})", ms=4)
+                        # one colour per implementation in every panel
+                        color = f"C{k}"
+                        ax.plot(xs, ys, style, color=color, label=f"{name} ({mode})", ms=4)
                         break  # graph when measured, else eager
             ax.plot(
                 ctx, [c["floor"]["seconds"] * 1e6 for c in sel], "k:", lw=2, label="memory floor"
