@@ -43,6 +43,7 @@ PROGRESS_EVERY_S = 10.0
 EXIT_PASSED, EXIT_FAILED, EXIT_ERROR = 0, 1, 2
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 BUNDLED_DATA_DIR = HERE / "gsm8k" / "data"
 
 # The official splits (MIT licence), fetched once into a cache by runners that have internet.
@@ -311,6 +312,12 @@ def resolve_data_files(config: GateConfig, data_dir: Path | None = None) -> dict
     )
 
 
+def display_path(path: Path) -> str:
+    """A path as the result records it: relative to the repository when inside it."""
+    path = Path(path).resolve()
+    return path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else str(path)
+
+
 def sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -341,9 +348,9 @@ def prepare_questions(
     exemplars = select_exemplars(train, config.num_shots, config.seed)
     record = {
         "source": config.data,
-        "test": str(files["test"]),
+        "test": display_path(files["test"]),
         "test_sha256": sha256_file(files["test"]),
-        "train": str(files["train"]),
+        "train": display_path(files["train"]),
         "train_sha256": sha256_file(files["train"]),
         "num_questions": len(problems),
         "num_shots": len(exemplars),
@@ -646,7 +653,7 @@ def run_gate(
     result: dict[str, Any] = {
         "gate": GATE_NAME,
         "config_name": config.name,
-        "config_path": str(config_path) if config_path else None,
+        "config_path": display_path(config_path) if config_path else None,
         "config_sha256": sha256_file(config_path) if config_path and config_path.exists() else None,
         "config": config.to_json(),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),

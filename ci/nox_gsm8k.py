@@ -69,22 +69,24 @@ def run_mechanics(
     out_root.mkdir(parents=True, exist_ok=True)
     checks: list[dict[str, Any]] = []
 
-    def check(run: str, outcome: Any, want: str, what: str) -> None:
-        ok = outcome.status == want
+    def check(run: str, outcome: Any, want: str, what: str, exit_code: int | None = None) -> None:
+        """Record one run: its status and exit code must be the expected ones."""
+        code = outcome.exit_code if exit_code is None else exit_code
+        want_code = gate.GateResult(want, "", {}).exit_code
+        ok = outcome.status == want and code == want_code
         checks.append(
             {
                 "run": run,
                 "what": what,
                 "expected": want,
                 "status": outcome.status,
+                "exit_code": code,
                 "ok": ok,
                 "message": outcome.message,
             }
         )
-        print(
-            f"[gsm8k] {run}: {'as expected' if ok else 'UNEXPECTED'} ({want}): {outcome.message}",
-            flush=True,
-        )
+        verdict = "as expected" if ok else "UNEXPECTED"
+        print(f"[gsm8k] {run}: {verdict} ({want}, exit {code}): {outcome.message}", flush=True)
 
     def progress(line: str) -> None:
         print(f"[gsm8k] {line}", flush=True)
@@ -102,20 +104,14 @@ def run_mechanics(
             accuracy = first.result.get("accuracy", 0.0)
             total = first.result.get("total") or config.num_questions
             above = min(1.0, accuracy + 1.0 / total)
-            if accuracy < 1.0:
-                strict = dataclasses.replace(live, threshold=above, tolerance=0.0)
-                second = gate.run_gate(
-                    strict,
-                    out_root / f"{config.name}-above-threshold",
-                    config_path=TINY_CONFIG,
-                    progress=progress,
-                )
-                check(
-                    f"{config.name}-above-threshold",
-                    second,
-                    "failed",
-                    f"threshold {above:.4f} > achieved {accuracy:.4f}",
-                )
+            if accuracy < 1.0:  # the failing path, through the command line and its exit code
+                out = out_root / f"{config.name}-above-threshold"
+                argv = ["--config", str(TINY_CONFIG), "--base-url", url, "--output-dir", str(out)]
+                code = gate.main([*argv, "--threshold", repr(above), "--tolerance", "0", "--quiet"])
+                saved = json.loads((out / "result.json").read_text())
+                second = gate.GateResult(saved["status"], saved["message"], saved)
+                what = f"threshold {above:.4f} > achieved {accuracy:.4f}"
+                check(out.name, second, "failed", what, exit_code=code)
             parity = dataclasses.replace(
                 live, parity=dataclasses.replace(config.parity, base_url=url)
             )
@@ -187,8 +183,8 @@ def vllm_python(session: Any) -> tuple[str | None, str]:
 def _record(record: Any, started: float) -> dict[str, Any]:
     """Add this run's result and config files to the step record; return the summaries."""
     summaries = {}
-    for path in sorted(RESULTS.glob("**/*.json")):
-        if path.stat().st_mtime < started:
+    for path in sorted(RESULTS.glob("**/*.json*")):  # result, config, questions logs
+        if path.suffix not in (".json", ".jsonl") or path.stat().st_mtime < started:
             continue
         if record is not None:
             record.artifact(path)

@@ -11,8 +11,9 @@ process group, with HOME, XDG_CACHE_HOME, VLLM_CACHE_ROOT and TMPDIR pointed int
 temporary directory, because vLLM leaves caches and IPC sockets there. Start-up prints one
 progress line every few seconds until ``/health`` answers 200, and fails with the log tail
 after ``timeout`` seconds or when the server exits. Exit sends SIGTERM to the whole group,
-then SIGKILL after a grace period, checks that no process of the group survives, and
-removes the temporary directory.
+then SIGKILL after a grace period, checks that no process of the group survives and that
+the shared memory and semaphores it held in /dev/shm are gone, and removes the temporary
+directory; any leftover raises VLLMServerError.
 """
 
 from __future__ import annotations
@@ -57,6 +58,39 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+        if int(fields[2]) == pgid:  # state, ppid, pgrp
+            members.append(int(entry))
+    return members
+
+
+def shared_memory_of(pgid: int) -> set[str]:
+    """/dev/shm files (shared memory, semaphores) that processes of the group map or hold open."""
+    found: set[str] = set()
+    for pid in _group_members(pgid):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    found.add(target.split(" (deleted)")[0])
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+                if path.startswith("/dev/shm/"):
+                    found.add(path.split(" (deleted)")[0])
+        except OSError:  # the process ended meanwhile
+            continue
+    return found
+
+
 class VLLMServerError(RuntimeError):
     pass
 
@@ -88,6 +122,8 @@ class VLLMServer:
         self.grace = grace
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
+        self.shared_memory: set[str] = set()  # /dev/shm files the server used (set by stop())
+        self.final_log = ""  # the last 200 log lines, kept by stop()
         self.workdir: Path | None = None
         self.log_path: Path | None = None
         self._log = None
@@ -134,7 +170,10 @@ class VLLMServer:
         try:
             self._wait_ready()
         except BaseException:
-            self.stop()
+            try:
+                self.stop()
+            except VLLMServerError as exc:  # keep the start-up error as the one raised
+                print(f"[vllm] {exc}", file=sys.stderr, flush=True)
             raise
         return self.base_url
 
@@ -170,6 +209,7 @@ class VLLMServer:
         problems = []
         if self.proc is not None:
             pgid = self.proc.pid
+            self.shared_memory = shared_memory_of(pgid) if os.path.isdir("/proc") else set()
             if _group_alive(pgid):
                 os.killpg(pgid, signal.SIGTERM)
                 deadline = time.monotonic() + self.grace
@@ -185,6 +225,12 @@ class VLLMServer:
                 time.sleep(0.2)
             if _group_alive(pgid):
                 problems.append(f"process group {pgid} survives SIGKILL")
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and any(map(os.path.exists, self.shared_memory)):
+                time.sleep(0.2)
+            left = sorted(p for p in self.shared_memory if os.path.exists(p))
+            if left:
+                problems.append(f"shared memory left behind: {', '.join(left)}")
         if self._log is not None:
             self._log.close()
             self._log = None

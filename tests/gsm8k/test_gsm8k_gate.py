@@ -9,7 +9,7 @@ from typing import Any
 
 import gsm8k_gate
 import pytest
-from conftest import FAKE_MODEL, HANG, completion_body, last_question
+from gsm8k_fakes import FAKE_MODEL, HANG, completion_body, last_question
 
 N = 12  # questions per run: enough for fractions, fast enough for CI
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +111,37 @@ def test_results_land_in_the_step_record(nox_gsm8k, monkeypatch) -> None:
         nox_gsm8k.gsm8k(session, record)
     assert sorted(Path(p).name for p in record.artifacts) == ["config.json", "result.json"]
     assert record.details["gsm8k"]["qwen38-qsa-tp8"]["status"] == "failed"
+
+
+def test_mechanics_logic_against_a_stand_in_server(nox_gsm8k, monkeypatch, tmp_path) -> None:
+    """run_mechanics with the vLLM server replaced by the scripted one (always wrong answers):
+    the real-server version is tests/gsm8k/test_gsm8k_vllm.py."""
+    import types
+
+    from gsm8k_fakes import FakeServer, completion_body
+
+    class StandIn:
+        def __init__(self, model_dir, python):
+            self.server = FakeServer(
+                lambda path, body, call: (200, completion_body(body, "#### 999"))
+            )
+
+        def __enter__(self) -> str:
+            return self.server.__enter__().url
+
+        def __exit__(self, *exc) -> None:
+            self.server.__exit__(*exc)
+
+    monkeypatch.setitem(sys.modules, "vllm_server", types.SimpleNamespace(VLLMServer=StandIn))
+    summary = nox_gsm8k.run_mechanics(tmp_path, model_dir=tmp_path)
+    assert summary["ok"], summary
+    runs = {c["run"]: (c["status"], c["exit_code"]) for c in summary["checks"]}
+    assert runs == {
+        "tiny-qsa": ("passed", 0),
+        "tiny-qsa-above-threshold": ("failed", 1),
+        "tiny-qsa-parity": ("passed", 0),
+        "tiny-qsa-server-down": ("error", 2),
+    }
+    assert json.loads((tmp_path / "tiny-qsa-above-threshold" / "result.json").read_text())[
+        "threshold"
+    ] == pytest.approx(1 / 8)
