@@ -4,8 +4,10 @@
 ARG BASE=qsa-base:bookworm
 FROM ${BASE}
 
+# NOTES: g++ and python3-dev are test dependencies: torch.compile's inductor backend compiles
+# C++ on CPU (tests/cpu compile the public ops with fullgraph=True); git for tests/pipeline.
 RUN apt-get update \
- && apt-get install -y python3 python3-venv git \
+ && apt-get install -y python3 python3-venv python3-dev g++ git \
  && rm -rf /var/lib/apt/lists/*
 
 COPY wheels /tmp/wheels
