@@ -116,7 +116,9 @@ class BuildQsaCuda(build_ext):
         objects = [obj for _, obj in jobs]
         # NOTES: nvcc links the CUDA runtime statically (its default), so the module depends
         # on the driver only and works next to any torch build of the same major CUDA.
-        self._run([nvcc, *TARGET.arch_flags, "-shared", *TARGET.link_flags, *objects, "-o", str(out)])
+        self._run(
+            [nvcc, *TARGET.arch_flags, "-shared", *TARGET.link_flags, *objects, "-o", str(out)]
+        )
 
     @staticmethod
     def _run(cmd: list[str]) -> None:

@@ -1,0 +1,16 @@
+"""The README's usage example runs as written (the front door must not rot)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_readme_usage_example_runs(capsys):
+    text = README.read_text(encoding="utf-8")
+    match = re.search(r"## Use\n\n```python\n(.*?)```", text, re.S)
+    assert match, "README.md lost its '## Use' python example"
+    exec(compile(match.group(1), "README.md:Use", "exec"), {})
+    assert "'version'" in capsys.readouterr().out
