@@ -14,3 +14,12 @@ def test_readme_usage_example_runs(capsys):
     assert match, "README.md lost its '## Use' python example"
     exec(compile(match.group(1), "README.md:Use", "exec"), {})
     assert "'version'" in capsys.readouterr().out
+
+
+def test_ci_runs_the_readme_test_command():
+    text = README.read_text(encoding="utf-8")
+    match = re.search(r"# the tests\n(.+)\n", text)
+    assert match, "README.md lost its test command"
+    command = match.group(1).strip()
+    ci = (README.parent / ".ci" / "run").read_text(encoding="utf-8")
+    assert command in ci, f".ci/run does not run the README's test command {command!r}"
