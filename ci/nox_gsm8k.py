@@ -176,6 +176,15 @@ def vllm_python(session: Any) -> tuple[str | None, str]:
     for origin, python in candidates:
         if _has_vllm(python):
             return python, origin
+    if session.venv_backend != "none" and (CI / "nox_vllm.py").is_file():
+        # NOTES: a fresh checkout has no vLLM interpreter yet: this session's own virtualenv
+        # gets the serving recipe of the E2E step (the same pins), so the gate never
+        # depends on a venv left behind by another step.
+        _load("nox_vllm").install_serving_env(session)
+        python = str(Path(session.bin) / "python")
+        if _has_vllm(python):
+            return python, "this session's virtualenv (the E2E serving recipe)"
+        candidates.append(("this session's virtualenv", python))
     tried = ", ".join(f"{python} ({origin})" for origin, python in candidates)
     return None, f"none of these interpreters can import vllm: {tried}; see docs/vllm.md"
 

@@ -83,7 +83,28 @@ def test_without_vllm_the_mechanics_check_is_skipped_with_the_reason(
 ) -> None:
     monkeypatch.setattr(nox_gsm8k, "_has_vllm", lambda python: False)
     with pytest.raises(Skip, match="GSM8K mechanics check needs vLLM: none of these interpreters"):
-        nox_gsm8k.gsm8k(FakeSession([]))
+        nox_gsm8k.gsm8k(FakeSession([], venv_backend="none"))
+
+
+def test_a_fresh_checkout_installs_the_serving_recipe_into_the_session(
+    nox_gsm8k, monkeypatch, tmp_path
+) -> None:
+    session = FakeSession([])
+    session.bin = str(tmp_path / "bin")
+    venv_python = str(tmp_path / "bin" / "python")
+    installed = []
+
+    class NoxVllm:
+        @staticmethod
+        def install_serving_env(s) -> None:
+            installed.append(s)
+
+    monkeypatch.setattr(nox_gsm8k, "_load", lambda name: NoxVllm)
+    monkeypatch.setattr(nox_gsm8k, "_has_vllm", lambda python: python == venv_python)
+    nox_gsm8k.gsm8k(session)
+    assert installed == [session]
+    (args, _), *_ = session.runs
+    assert args[0] == venv_python and args[2] == "mechanics"
 
 
 def test_mechanics_check_runs_in_the_vllm_interpreter(nox_gsm8k, monkeypatch) -> None:
