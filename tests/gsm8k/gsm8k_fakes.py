@@ -84,15 +84,19 @@ class FakeServer:
                     server._calls[key] = call + 1
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                # NOTES: a request stops counting as in flight BEFORE its reply is sent: once
+                # the client has the reply it may send its next request, which could otherwise
+                # arrive before this handler's decrement and be counted as a third concurrent
+                # request (seen as max_in_flight 3 at concurrency 2 on a loaded machine).
                 try:
                     reply = server.script(self.path, body, call)
                     if reply is HANG:
                         server.release.wait(timeout=30)
                         return
-                    self._send(*reply)
                 finally:
                     with server._lock:
                         server.in_flight -= 1
+                self._send(*reply)
 
         return Handler
 
