@@ -38,6 +38,7 @@ from ..qsa_ops.contract import (
     V_OFFSET,
     WIDTH,
 )
+from ..qsa_ops.reference import visible_tokens
 
 ATTENTION = "attention"
 SELECTION = "selection"
@@ -161,10 +162,16 @@ def quick_cases() -> list[CaseSpec]:
     ]
 
 
+def target_cases() -> list[CaseSpec]:
+    """The performance-table cases only (the timing section of the GPU validation record)."""
+    return [c for c in seed_cases() + scale_cases() if c.target]
+
+
 GRIDS = {
     "default": lambda: seed_cases() + scale_cases(),
     "seed": seed_cases,
     "scale": scale_cases,
+    "targets": target_cases,
     "quick": quick_cases,
 }
 
@@ -336,3 +343,209 @@ def build(spec: CaseSpec, device: torch.device, seed: int = 0) -> CaseInputs:
         return build_seed(spec, device, seed)
     builder = build_attention if spec.op == ATTENTION else build_selection
     return builder(spec, device, seed)
+
+
+# ----------------------------------------------------------------------------------------
+# the decode step: the layer's whole QSA path (cache update, selection, attention)
+# ----------------------------------------------------------------------------------------
+
+DECODE_ROWS = (1, 8, 64)
+DECODE_LAYERS = 8
+# 32K tokens per request; a multiple of 4, so that every row's new token completes a block
+# and the cache update refreshes one compressed key per row (its worst case)
+DECODE_CONTEXT = 32 * 1024
+
+
+def build_decode(
+    rows: int, context: int, layers: int, device: torch.device, seed: int = 0
+) -> dict[str, object]:
+    """One decode step of ``rows`` requests (one new token each, at position context - 1) over
+    ``layers`` layers, each with its own caches: ``{"shared": metadata, "layers": [...]}``.
+    Requests own distinct pages; the K/V pages and the compressed-key pages share the page
+    table (page x holds tokens 512x.. and their 128 compressed keys)."""
+    device = torch.device(device)
+    g = _generator(device, seed)
+    half = torch.float16
+    pages_per_request = _pages_for(context)
+    pool = rows * pages_per_request
+    table = random_page_table(rows, pages_per_request, pool, g, device)
+    pos = context - 1
+    page = table[:, pos // KV_PAGE].long()
+    offset = pos % KV_PAGE
+    completes = pos % COMPRESS_RATIO == COMPRESS_RATIO - 1
+    ck_slot = page * CK_PAGE + offset // COMPRESS_RATIO
+    shared = {
+        "page_table": table,
+        "token_to_req": torch.arange(rows, dtype=torch.int32, device=device),
+        "query_positions": torch.full((rows,), pos, dtype=torch.int64, device=device),
+        "sequence_lengths": torch.full((rows,), context, dtype=torch.int32, device=device),
+        "slot_mapping": (page * KV_PAGE + offset).contiguous(),
+        "compressed_slot_mapping": ck_slot if completes else torch.full_like(ck_slot, -1),
+        "indices": torch.full((rows, WIDTH), -1, dtype=torch.int32, device=device),
+    }
+    per_layer = []
+    for _ in range(layers):
+        kv = torch.randn(pool, KV_PAGE, 2 * HEAD_DIM, generator=g, device=device, dtype=half)
+        k_cache, v_cache = packed_kv_views(kv)
+        per_layer.append({
+            "kv": kv, "k_cache": k_cache, "v_cache": v_cache,
+            "compressed_key_cache": torch.randn(
+                pool, CK_PAGE, 1, INDEX_DIM, generator=g, device=device, dtype=half),
+            "index_wk": torch.randn(INDEX_DIM, HEAD_DIM, generator=g, device=device),
+            "key": torch.randn(rows, HEAD_DIM, generator=g, device=device, dtype=half),
+            "value": torch.randn(rows, HEAD_DIM, generator=g, device=device, dtype=half),
+            "q_index": torch.randn(
+                rows, INDEX_HEADS, INDEX_DIM, generator=g, device=device, dtype=half),
+            "q": torch.randn(rows, ATTN_HEADS, HEAD_DIM, generator=g, device=device, dtype=half),
+            "out": torch.empty(rows, ATTN_HEADS, HEAD_DIM, device=device, dtype=half),
+        })  # fmt: skip
+    return {"shared": shared, "layers": per_layer}
+
+
+# ----------------------------------------------------------------------------------------
+# the memory floor
+# ----------------------------------------------------------------------------------------
+
+# The memory floor: the bytes one call must move, over the copy bandwidth of the device.
+#
+# What is counted (each input read once, the output written once):
+#
+# attention
+#     q (R x 3 x 256 x 2 B), the selected tokens' K and V (1 KiB per token: 256 + 256 float16),
+#     counted once per **distinct physical token** of the call (a token listed twice, or by two
+#     rows, is read once by an ideal kernel), the indices (R x 2051 x 4 B), the page table
+#     (B x M x 4 B, all of it), token_to_req (R x 4 B); written: out (R x 3 x 256 x 2 B).
+# selection
+#     q (R x 4 x 128 x 2 B), the usable compressed keys (256 B each), once per **distinct
+#     physical key** of the call (rows of one request share their keys), the page table
+#     (B x M x 4 B), token_to_req (R x 4 B), query_positions (R x 8 B), sequence_lengths
+#     (B x 4 B); written: out (R x 2051 x 4 B).
+#
+# The floor time is ``bytes / bandwidth`` with the bandwidth of a large device-to-device copy
+# measured in the same run, counted as bytes read + bytes written. "% of floor" is
+# ``floor time / measured time``: 100 % is a kernel that streams its bytes at copy speed.
+
+KV_TOKEN_BYTES = 2 * HEAD_DIM * 2  # K and V halves of one token, float16: 1 KiB
+KEY_BYTES = INDEX_DIM * 2  # one compressed key, float16: 256 B
+
+
+@dataclass(frozen=True)
+class FloorBytes:
+    read: dict[str, int]
+    written: dict[str, int]
+    counts: dict[str, int]  # the token/key counts behind the byte figures
+
+    @property
+    def total(self) -> int:
+        return sum(self.read.values()) + sum(self.written.values())
+
+    def seconds(self, bandwidth_bytes_per_s: float) -> float:
+        return self.total / bandwidth_bytes_per_s
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "read": self.read,
+            "written": self.written,
+            "counts": self.counts,
+            "total": self.total,
+        }
+
+
+def attention_bytes(rows: int, requests: int, max_pages: int, distinct_tokens: int) -> FloorBytes:
+    return FloorBytes(
+        read={
+            "q": rows * ATTN_HEADS * HEAD_DIM * 2,
+            "kv_tokens": distinct_tokens * KV_TOKEN_BYTES,
+            "logical_indices": rows * WIDTH * 4,
+            "page_table": requests * max_pages * 4,
+            "token_to_req": rows * 4,
+        },
+        written={"out": rows * ATTN_HEADS * HEAD_DIM * 2},
+        counts={"distinct_tokens": distinct_tokens},
+    )
+
+
+def selection_bytes(rows: int, requests: int, max_pages: int, distinct_keys: int) -> FloorBytes:
+    return FloorBytes(
+        read={
+            "q": rows * INDEX_HEADS * INDEX_DIM * 2,
+            "compressed_keys": distinct_keys * KEY_BYTES,
+            "page_table": requests * max_pages * 4,
+            "token_to_req": rows * 4,
+            "query_positions": rows * 8,
+            "sequence_lengths": requests * 4,
+        },
+        written={"out": rows * WIDTH * 4},
+        counts={"distinct_keys": distinct_keys},
+    )
+
+
+def _request_of_rows(
+    token_to_req: torch.Tensor, requests: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b = token_to_req.long()
+    return (b >= 0) & (b < requests), b.clamp(0, max(requests - 1, 0))
+
+
+def count_attention_tokens(t: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """(distinct physical tokens, valid entries counted per occurrence) of one call."""
+    table = t["page_table"].long()
+    requests, max_pages = table.shape
+    pages = t["k_cache"].shape[0]
+    if requests == 0 or max_pages == 0:
+        return 0, 0
+    ok_req, b = _request_of_rows(t["token_to_req"], requests)
+    idx = t["logical_indices"].long()
+    page = torch.div(idx, KV_PAGE, rounding_mode="floor")
+    valid = (idx >= 0) & (page < max_pages) & ok_req[:, None]
+    phys = table[b[:, None], page.clamp(0, max_pages - 1)]
+    valid &= (phys >= 0) & (phys < pages)
+    token_id = phys * KV_PAGE + idx.clamp_min(0) % KV_PAGE
+    return int(torch.unique(token_id[valid]).numel()), int(valid.sum())
+
+
+def count_selection_keys(
+    t: dict[str, torch.Tensor], chunk_elements: int = 1 << 24
+) -> tuple[int, int]:
+    """(distinct physical keys, usable blocks summed over rows) of one call."""
+    table = t["page_table"].long()
+    requests, max_pages = table.shape
+    pages = t["compressed_key_cache"].shape[0]
+    rows = t["q"].shape[0]
+    if requests == 0 or max_pages == 0 or rows == 0:
+        return 0, 0
+    ok_req, b = _request_of_rows(t["token_to_req"], requests)
+    n = visible_tokens(t["query_positions"], t["sequence_lengths"].long()[b])
+    nb = torch.where(ok_req, n // COMPRESS_RATIO, 0)
+    blocks = max_pages * CK_PAGE
+    j = torch.arange(blocks, device=table.device)
+    ids, usable_total = [], 0
+    step = max(1, chunk_elements // blocks)
+    for start in range(0, rows, step):
+        s = slice(start, min(rows, start + step))
+        phys = table[b[s]].repeat_interleave(CK_PAGE, dim=1)  # [C, M * 128]
+        usable = (j < nb[s, None]) & (phys >= 0) & (phys < pages)
+        key_id = phys * CK_PAGE + j % CK_PAGE
+        ids.append(torch.unique(key_id[usable]))
+        usable_total += int(usable.sum())
+    distinct = int(torch.unique(torch.cat(ids)).numel()) if ids else 0
+    return distinct, usable_total
+
+
+def floor_bytes(op: str, t: dict[str, torch.Tensor]) -> FloorBytes:
+    rows = t["q"].shape[0]
+    requests, max_pages = t["page_table"].shape
+    if op == ATTENTION:
+        distinct, occurrences = count_attention_tokens(t)
+        fb = attention_bytes(rows, requests, max_pages, distinct)
+        fb.counts["valid_entries"] = occurrences
+    else:
+        distinct, usable = count_selection_keys(t)
+        fb = selection_bytes(rows, requests, max_pages, distinct)
+        fb.counts["usable_blocks"] = usable
+    return fb
+
+
+def percent_of_floor(floor_seconds: float, measured_seconds: float) -> float:
+    """floor / measured, in percent (100 % = at copy bandwidth)."""
+    return 100.0 * floor_seconds / measured_seconds if measured_seconds > 0 else float("nan")
