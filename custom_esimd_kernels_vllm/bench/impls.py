@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import qsa_ops
-from ..qsa_ops import contract, dispatch, reference
+from ..qsa_ops import contract, reference
 from .cases import ATTENTION, packed_kv_views
 from .upstream import Upstream
 
@@ -74,19 +74,48 @@ def _selection_args(a: Args) -> tuple[torch.Tensor, ...]:
             a["query_positions"], a["sequence_lengths"])  # fmt: skip
 
 
+def op_layer():
+    """The module that owns the backend choice and the split override: ``qsa_ops.ops`` (the
+    stable-ABI op layer) where present, else ``qsa_ops.dispatch`` (the pybind11 one).
+    NOTES: the fallback only bridges the op-layer rewrite; delete it once ops.py is merged."""
+    try:
+        from ..qsa_ops import ops
+
+        return ops
+    except ImportError:
+        from ..qsa_ops import dispatch
+
+        return dispatch
+
+
 def kernel_status(device: torch.device) -> tuple[bool, str]:
     """(True, "") when the public ops run the compiled CUDA kernels on ``device``."""
     if device.type != "cuda":
         return False, "no CUDA device: the kernels run on CUDA tensors only"
+    layer = op_layer()
+    if hasattr(layer, "BACKEND"):  # qsa_ops.ops: chosen once, at import
+        if layer.BACKEND != "cuda":
+            return False, f"CUDA tensors run on the {layer.BACKEND} backend ({layer.LIBRARY_ERROR})"
+        return True, ""
     try:
-        backend = dispatch.resolve_backend(device)
+        backend = layer.resolve_backend(device)
     except (RuntimeError, ValueError) as exc:
         return False, str(exc)
     if backend != "cuda":
-        ok, reason = dispatch.cuda_status()
-        why = reason if not ok else f"{dispatch.ENV_VAR}={dispatch.requested_backend()}"
+        ok, reason = layer.cuda_status()
+        why = reason if not ok else f"{layer.ENV_VAR}={layer.requested_backend()}"
         return False, f"the public ops resolve to the {backend} backend ({why})"
     return True, ""
+
+
+def attention_splits_control() -> tuple[str, Callable[[int], int]]:
+    """(the env variable that forces attention's CTAs per row, rows -> the automatic count)."""
+    layer = op_layer()
+    if hasattr(layer, "SPLITS_ENV"):
+        return layer.SPLITS_ENV, layer.attention_splits
+    from ..qsa_ops import _cuda
+
+    return _cuda.SPLITS_ENV, _cuda.attention_splits
 
 
 # ----------------------------------------------------------------------------------------

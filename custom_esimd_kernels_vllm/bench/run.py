@@ -482,9 +482,7 @@ def splits_sweep(cfg: BenchConfig) -> dict[str, object]:
     if not (impls.kernel_status(cfg.device)[0] and graph_supported(cfg.device)):
         return {"skipped": "the split sweep times the CUDA kernels under graph replay: no CUDA"}
     try:
-        from ..qsa_ops import _cuda
-
-        env, auto_of = _cuda.SPLITS_ENV, _cuda.attention_splits
+        env, auto_of = impls.attention_splits_control()
     except (ImportError, AttributeError) as exc:
         return {"skipped": f"this op layer exposes no split override ({format_error(exc)})"}
     kernel = impls.make(impls.KERNEL, ATTENTION)
