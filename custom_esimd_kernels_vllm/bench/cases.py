@@ -27,17 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..qsa_ops.contract import (
-    ATTN_HEADS,
-    CK_PAGE,
-    COMPRESS_RATIO,
-    HEAD_DIM,
-    INDEX_DIM,
-    INDEX_HEADS,
-    KV_PAGE,
-    V_OFFSET,
-    WIDTH,
-)
+from ..qsa_ops import contract
 from ..qsa_ops.reference import visible_tokens
 
 ATTENTION = "attention"
@@ -53,7 +43,7 @@ SCALE_CONTEXTS = (8 * 1024, 32 * 1024, 128 * 1024)
 # most 513 MiB) still land on random pages, so the cap changes neither the bytes a kernel
 # must read nor its access pattern.
 ATTENTION_POOL_CAP = 4096
-SEED_ATTENTION_CONTEXT = 8 * KV_PAGE  # qsa_ops.testing's valid-width cases: 8 pages
+SEED_ATTENTION_CONTEXT = 8 * contract.KV_PAGE  # qsa_ops.testing's valid-width cases: 8 pages
 SEED_P8192_POOL = 8192
 
 
@@ -67,7 +57,7 @@ class CaseSpec:
     name: str
     rows: int
     context: int
-    width: int = WIDTH  # attention: valid entries per row (the rest are -1 holes)
+    width: int = contract.WIDTH  # attention: valid entries per row (the rest are -1 holes)
     pool_pages: int | None = None  # physical pages P; None = derived (see builders)
     profile: bool = False  # capture the profiler counts on this case
     # the kernels' performance table: the latency target (graph replay, median, µs) of the
@@ -103,12 +93,14 @@ def _ctx_label(tokens: int) -> str:
 
 
 def seed_cases() -> list[CaseSpec]:
+    full = contract.WIDTH
     attention = [
         CaseSpec(
             ATTENTION, "seed", f"seed R=1 width {w}", 1, SEED_ATTENTION_CONTEXT, width=w,
-            profile=(w == WIDTH), target_us=5.0 if w == WIDTH else None, testing_case=testing_name,
+            profile=(w == full), target_us=5.0 if w == full else None, testing_case=testing_name,
         )
-        for w, testing_name in ((32, "valid_width_32"), (1024, "full_width_2051"), (WIDTH, "full_width_2051"))
+        for w, testing_name in ((32, "valid_width_32"), (1024, "full_width_2051"),
+                                (full, "full_width_2051"))
     ]  # fmt: skip
     selection = [
         CaseSpec(
@@ -117,8 +109,8 @@ def seed_cases() -> list[CaseSpec]:
         ),
         CaseSpec(
             SELECTION, "seed", "seed P8192 saturated (2303 blocks / 2051 tokens)", 1,
-            2303 * COMPRESS_RATIO + 3, pool_pages=SEED_P8192_POOL, profile=True, target_us=8.0,
-            testing_case="p8192_saturated",
+            2303 * contract.COMPRESS_RATIO + 3, pool_pages=SEED_P8192_POOL, profile=True,
+            target_us=8.0, testing_case="p8192_saturated",
         ),
     ]  # fmt: skip
     return attention + selection
@@ -219,11 +211,16 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
 def packed_kv_views(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact-packed K and V views [P, 512, 1, 256] of a [P, 512, 512] buffer."""
     pages = kv.shape[0]
-    shape = (pages, KV_PAGE, 1, HEAD_DIM)
-    strides = (KV_PAGE * 2 * HEAD_DIM, 2 * HEAD_DIM, HEAD_DIM, 1)
+    shape = (pages, contract.KV_PAGE, 1, contract.HEAD_DIM)
+    strides = (
+        contract.KV_PAGE * 2 * contract.HEAD_DIM,
+        2 * contract.HEAD_DIM,
+        contract.HEAD_DIM,
+        1,
+    )
     base = kv.storage_offset()
     k = kv.as_strided(shape, strides, base)
-    v = kv.as_strided(shape, strides, base + V_OFFSET)
+    v = kv.as_strided(shape, strides, base + contract.V_OFFSET)
     return k, v
 
 
@@ -258,7 +255,7 @@ def random_distinct_tokens(
 
 
 def _pages_for(tokens: int) -> int:
-    return max(1, -(-tokens // KV_PAGE))
+    return max(1, -(-tokens // contract.KV_PAGE))
 
 
 def build_attention(spec: CaseSpec, device: torch.device, seed: int = 0) -> CaseInputs:
@@ -268,20 +265,24 @@ def build_attention(spec: CaseSpec, device: torch.device, seed: int = 0) -> Case
     pool = spec.pool_pages or min(requests * pages_per_request, ATTENTION_POOL_CAP)
     pool = max(pool, pages_per_request)
     half = torch.float16
-    kv = torch.randn(pool, KV_PAGE, 2 * HEAD_DIM, generator=g, device=device, dtype=half)
+    kv = torch.randn(
+        pool, contract.KV_PAGE, 2 * contract.HEAD_DIM, generator=g, device=device, dtype=half
+    )
     k_cache, v_cache = packed_kv_views(kv)
-    indices = torch.full((rows, WIDTH), -1, dtype=torch.int32, device=device)
+    indices = torch.full((rows, contract.WIDTH), -1, dtype=torch.int32, device=device)
     tokens = random_distinct_tokens(rows, spec.width, spec.context, g, device)
     indices[:, : spec.width] = tokens.to(torch.int32)
     tensors = {
-        "q": torch.randn(rows, ATTN_HEADS, HEAD_DIM, generator=g, device=device, dtype=half),
+        "q": torch.randn(
+            rows, contract.ATTN_HEADS, contract.HEAD_DIM, generator=g, device=device, dtype=half
+        ),
         "kv": kv,
         "k_cache": k_cache,
         "v_cache": v_cache,
         "logical_indices": indices,
         "page_table": random_page_table(requests, pages_per_request, pool, g, device),
         "token_to_req": torch.arange(rows, dtype=torch.int32, device=device),
-        "out": torch.empty(rows, ATTN_HEADS, HEAD_DIM, dtype=half, device=device),
+        "out": torch.empty(rows, contract.ATTN_HEADS, contract.HEAD_DIM, dtype=half, device=device),
     }
     return CaseInputs(ATTENTION, tensors, "kv")
 
@@ -293,15 +294,17 @@ def build_selection(spec: CaseSpec, device: torch.device, seed: int = 0) -> Case
     pool = max(spec.pool_pages or requests * pages_per_request, pages_per_request)
     half = torch.float16
     tensors = {
-        "q": torch.randn(rows, INDEX_HEADS, INDEX_DIM, generator=g, device=device, dtype=half),
+        "q": torch.randn(
+            rows, contract.INDEX_HEADS, contract.INDEX_DIM, generator=g, device=device, dtype=half
+        ),
         "compressed_key_cache": torch.randn(
-            pool, CK_PAGE, 1, INDEX_DIM, generator=g, device=device, dtype=half
+            pool, contract.CK_PAGE, 1, contract.INDEX_DIM, generator=g, device=device, dtype=half
         ),
         "page_table": random_page_table(requests, pages_per_request, pool, g, device),
         "token_to_req": torch.arange(rows, dtype=torch.int32, device=device),
         "query_positions": torch.full((rows,), spec.context - 1, dtype=torch.int64, device=device),
         "sequence_lengths": torch.full((requests,), spec.context, dtype=torch.int32, device=device),
-        "out": torch.empty(rows, WIDTH, dtype=torch.int32, device=device),
+        "out": torch.empty(rows, contract.WIDTH, dtype=torch.int32, device=device),
     }
     return CaseInputs(SELECTION, tensors, "compressed_key_cache")
 
@@ -314,8 +317,8 @@ def build_seed(spec: CaseSpec, device: torch.device, seed: int = 0) -> CaseInput
         case = testing.make_attention_case(spec.testing_case, spec.rows, device, seed)
         pages = case.k_cache.shape[0]
         lead = case.k_cache.storage_offset()
-        kv = case.kv[lead : lead + pages * KV_PAGE * 2 * HEAD_DIM].view(
-            pages, KV_PAGE, 2 * HEAD_DIM
+        kv = case.kv[lead : lead + pages * contract.KV_PAGE * 2 * contract.HEAD_DIM].view(
+            pages, contract.KV_PAGE, 2 * contract.HEAD_DIM
         )
         indices = case.logical_indices.clone()
         indices[:, spec.width :] = -1  # width 1024: the full-width case cut to 1024 entries
@@ -370,34 +373,39 @@ def build_decode(
     pool = rows * pages_per_request
     table = random_page_table(rows, pages_per_request, pool, g, device)
     pos = context - 1
-    page = table[:, pos // KV_PAGE].long()
-    offset = pos % KV_PAGE
-    completes = pos % COMPRESS_RATIO == COMPRESS_RATIO - 1
-    ck_slot = page * CK_PAGE + offset // COMPRESS_RATIO
+    page = table[:, pos // contract.KV_PAGE].long()
+    offset = pos % contract.KV_PAGE
+    completes = pos % contract.COMPRESS_RATIO == contract.COMPRESS_RATIO - 1
+    ck_slot = page * contract.CK_PAGE + offset // contract.COMPRESS_RATIO
     shared = {
         "page_table": table,
         "token_to_req": torch.arange(rows, dtype=torch.int32, device=device),
         "query_positions": torch.full((rows,), pos, dtype=torch.int64, device=device),
         "sequence_lengths": torch.full((rows,), context, dtype=torch.int32, device=device),
-        "slot_mapping": (page * KV_PAGE + offset).contiguous(),
+        "slot_mapping": (page * contract.KV_PAGE + offset).contiguous(),
         "compressed_slot_mapping": ck_slot if completes else torch.full_like(ck_slot, -1),
-        "indices": torch.full((rows, WIDTH), -1, dtype=torch.int32, device=device),
+        "indices": torch.full((rows, contract.WIDTH), -1, dtype=torch.int32, device=device),
     }
     per_layer = []
     for _ in range(layers):
-        kv = torch.randn(pool, KV_PAGE, 2 * HEAD_DIM, generator=g, device=device, dtype=half)
+        kv = torch.randn(
+            pool, contract.KV_PAGE, 2 * contract.HEAD_DIM, generator=g, device=device, dtype=half
+        )
         k_cache, v_cache = packed_kv_views(kv)
+
+        def rand(*shape, dtype=half):
+            return torch.randn(*shape, generator=g, device=device, dtype=dtype)
+
         per_layer.append({
             "kv": kv, "k_cache": k_cache, "v_cache": v_cache,
-            "compressed_key_cache": torch.randn(
-                pool, CK_PAGE, 1, INDEX_DIM, generator=g, device=device, dtype=half),
-            "index_wk": torch.randn(INDEX_DIM, HEAD_DIM, generator=g, device=device),
-            "key": torch.randn(rows, HEAD_DIM, generator=g, device=device, dtype=half),
-            "value": torch.randn(rows, HEAD_DIM, generator=g, device=device, dtype=half),
-            "q_index": torch.randn(
-                rows, INDEX_HEADS, INDEX_DIM, generator=g, device=device, dtype=half),
-            "q": torch.randn(rows, ATTN_HEADS, HEAD_DIM, generator=g, device=device, dtype=half),
-            "out": torch.empty(rows, ATTN_HEADS, HEAD_DIM, device=device, dtype=half),
+            "compressed_key_cache": rand(pool, contract.CK_PAGE, 1, contract.INDEX_DIM),
+            "index_wk": rand(contract.INDEX_DIM, contract.HEAD_DIM, dtype=torch.float32),
+            "key": rand(rows, contract.HEAD_DIM),
+            "value": rand(rows, contract.HEAD_DIM),
+            "q_index": rand(rows, contract.INDEX_HEADS, contract.INDEX_DIM),
+            "q": rand(rows, contract.ATTN_HEADS, contract.HEAD_DIM),
+            "out": torch.empty(rows, contract.ATTN_HEADS, contract.HEAD_DIM, device=device,
+                               dtype=half),
         })  # fmt: skip
     return {"shared": shared, "layers": per_layer}
 
@@ -425,8 +433,8 @@ def build_decode(
 # measured in the same run, counted as bytes read + bytes written. "% of floor" is
 # ``floor time / measured time``: 100 % is a kernel that streams its bytes at copy speed.
 
-KV_TOKEN_BYTES = 2 * HEAD_DIM * 2  # K and V halves of one token, float16: 1 KiB
-KEY_BYTES = INDEX_DIM * 2  # one compressed key, float16: 256 B
+KV_TOKEN_BYTES = 2 * contract.HEAD_DIM * 2  # K and V halves of one token, float16: 1 KiB
+KEY_BYTES = contract.INDEX_DIM * 2  # one compressed key, float16: 256 B
 
 
 @dataclass(frozen=True)
@@ -454,13 +462,13 @@ class FloorBytes:
 def attention_bytes(rows: int, requests: int, max_pages: int, distinct_tokens: int) -> FloorBytes:
     return FloorBytes(
         read={
-            "q": rows * ATTN_HEADS * HEAD_DIM * 2,
+            "q": rows * contract.ATTN_HEADS * contract.HEAD_DIM * 2,
             "kv_tokens": distinct_tokens * KV_TOKEN_BYTES,
-            "logical_indices": rows * WIDTH * 4,
+            "logical_indices": rows * contract.WIDTH * 4,
             "page_table": requests * max_pages * 4,
             "token_to_req": rows * 4,
         },
-        written={"out": rows * ATTN_HEADS * HEAD_DIM * 2},
+        written={"out": rows * contract.ATTN_HEADS * contract.HEAD_DIM * 2},
         counts={"distinct_tokens": distinct_tokens},
     )
 
@@ -468,14 +476,14 @@ def attention_bytes(rows: int, requests: int, max_pages: int, distinct_tokens: i
 def selection_bytes(rows: int, requests: int, max_pages: int, distinct_keys: int) -> FloorBytes:
     return FloorBytes(
         read={
-            "q": rows * INDEX_HEADS * INDEX_DIM * 2,
+            "q": rows * contract.INDEX_HEADS * contract.INDEX_DIM * 2,
             "compressed_keys": distinct_keys * KEY_BYTES,
             "page_table": requests * max_pages * 4,
             "token_to_req": rows * 4,
             "query_positions": rows * 8,
             "sequence_lengths": requests * 4,
         },
-        written={"out": rows * WIDTH * 4},
+        written={"out": rows * contract.WIDTH * 4},
         counts={"distinct_keys": distinct_keys},
     )
 
@@ -496,11 +504,11 @@ def count_attention_tokens(t: dict[str, torch.Tensor]) -> tuple[int, int]:
         return 0, 0
     ok_req, b = _request_of_rows(t["token_to_req"], requests)
     idx = t["logical_indices"].long()
-    page = torch.div(idx, KV_PAGE, rounding_mode="floor")
+    page = torch.div(idx, contract.KV_PAGE, rounding_mode="floor")
     valid = (idx >= 0) & (page < max_pages) & ok_req[:, None]
     phys = table[b[:, None], page.clamp(0, max_pages - 1)]
     valid &= (phys >= 0) & (phys < pages)
-    token_id = phys * KV_PAGE + idx.clamp_min(0) % KV_PAGE
+    token_id = phys * contract.KV_PAGE + idx.clamp_min(0) % contract.KV_PAGE
     return int(torch.unique(token_id[valid]).numel()), int(valid.sum())
 
 
@@ -516,16 +524,16 @@ def count_selection_keys(
         return 0, 0
     ok_req, b = _request_of_rows(t["token_to_req"], requests)
     n = visible_tokens(t["query_positions"], t["sequence_lengths"].long()[b])
-    nb = torch.where(ok_req, n // COMPRESS_RATIO, 0)
-    blocks = max_pages * CK_PAGE
+    nb = torch.where(ok_req, n // contract.COMPRESS_RATIO, 0)
+    blocks = max_pages * contract.CK_PAGE
     j = torch.arange(blocks, device=table.device)
     ids, usable_total = [], 0
     step = max(1, chunk_elements // blocks)
     for start in range(0, rows, step):
         s = slice(start, min(rows, start + step))
-        phys = table[b[s]].repeat_interleave(CK_PAGE, dim=1)  # [C, M * 128]
+        phys = table[b[s]].repeat_interleave(contract.CK_PAGE, dim=1)  # [C, M * 128]
         usable = (j < nb[s, None]) & (phys >= 0) & (phys < pages)
-        key_id = phys * CK_PAGE + j % CK_PAGE
+        key_id = phys * contract.CK_PAGE + j % contract.CK_PAGE
         ids.append(torch.unique(key_id[usable]))
         usable_total += int(usable.sum())
     distinct = int(torch.unique(torch.cat(ids)).numel()) if ids else 0

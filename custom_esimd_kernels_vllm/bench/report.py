@@ -40,9 +40,7 @@ def _us(seconds: float | None) -> str:
 
 
 def _num(us: float | None) -> str:
-    return (
-        "–" if us is None or not math.isfinite(us) else (f"{us:.1f}" if us < 1000 else f"{us:,.0f}")
-    )
+    return _us(None if us is None else us * 1e-6)
 
 
 def _pct(x: float | None) -> str:
@@ -296,6 +294,7 @@ def markdown(data: dict) -> str:
     ]
     if _upstream_line(data):
         lines += [_upstream_line(data), ""]
+    order = _order(data)
     sections = [
         ("Performance-table cases", "Median per call; in brackets the baseline's time over the "
          "kernel's.", _target_table(cases)),
@@ -303,8 +302,8 @@ def markdown(data: dict) -> str:
          "upstream = its scoring + its top-k (see the top-k line above); the quoted compiled "
          "top-k is added to the measured scoring where the compiled op could not run.",
          _upstream_table(cases, data)),
-        ("Latency — CUDA-graph replay", "", _latency_table(cases, "graph", _order(data))),
-        ("Latency — Eager (host overhead included)", "", _latency_table(cases, "eager", _order(data))),
+        ("Latency — CUDA-graph replay", "", _latency_table(cases, "graph", order)),
+        ("Latency — Eager (host overhead included)", "", _latency_table(cases, "eager", order)),
         ("B/C/B comparisons", "Speedup = baseline / candidate per pair (median [p10–p90]); a win "
          "= the candidate beat both baseline units of its pair; drift = second baseline vs first.",
          _comparison_table(cases)),
@@ -431,6 +430,9 @@ def _panel_ratio(ax, cases: list[dict], op: str) -> bool:
             drew = True
     ax.axhline(1.0, color="k", lw=1, ls=":")
     ax.set_xscale("log", base=2)
+    ctx = sorted({c["spec"]["context"] for c in cases if c["spec"]["op"] == op})
+    ax.set_xticks(ctx, [f"{x // 1024}K" if x % 1024 == 0 else str(x) for x in ctx])
+    ax.minorticks_off()
     ax.set_title(f"{op}: upstream / kernel (> 1: ours faster)", fontsize=9)
     ax.set_xlabel("context (tokens)")
     ax.grid(True, alpha=0.3)
@@ -447,7 +449,8 @@ def _panel_decode(ax, dec: dict) -> bool:
     series = [("eager host", lambda e: e["eager"]["host_us_per_layer"]),
               ("eager GPU", lambda e: e["eager"]["gpu_us_per_layer"]),
               ("graph GPU", lambda e: e.get("graph", {}).get("gpu_us_per_layer")),
-              ("kernel sum (graph)", lambda e: e.get("graph", {}).get("kernel_sum_us_per_layer"))]  # fmt: skip
+              ("kernel sum (graph)",
+               lambda e: e.get("graph", {}).get("kernel_sum_us_per_layer"))]  # fmt: skip
     for k, (label, get) in enumerate(series):
         pts = [(x, get(e)) for x, e in zip(r, rows, strict=True) if get(e) is not None]
         if pts:
@@ -455,6 +458,8 @@ def _panel_decode(ax, dec: dict) -> bool:
             ax.plot(xs, ys, "-o", ms=4, color=f"C{k}", label=label)
     ax.axhline(dec["targets"]["eager_host_us_per_layer"], color="C0", ls=":", lw=1)
     ax.set_xscale("log", base=2)
+    ax.set_xticks(r, [str(x) for x in r])
+    ax.minorticks_off()
     ax.set_yscale("log")
     ax.set_title(f"decode step, {dec['layers']} layers (µs per layer)", fontsize=9)
     ax.set_xlabel("R (requests)")
@@ -481,9 +486,15 @@ def plot(data: dict, path: Path) -> str | None:
         return "no plot: no measured scale case"
     ops = sorted({p[0] for p in panels})
     rows_by_op = {op: sorted(r for o, r in panels if o == op) for op in ops}
-    ncols = max(3, max(len(v) for v in rows_by_op.values()))
-    fig, axes = plt.subplots(len(ops) + 1, ncols, figsize=(3.6 * ncols, 3.2 * (len(ops) + 1)),
-                             squeeze=False)  # fmt: skip
+    dec = data.get("decode_step") or {}
+    summary = any(_median(c, m, "upstream") for c in cases for m in MODES) or any(
+        "eager" in e for e in dec.get("rows", [])
+    )
+    ncols = max(len(v) for v in rows_by_op.values())
+    if summary:
+        ncols = max(ncols, len(ops) + 1)
+    nrows = len(ops) + summary
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 3.2 * nrows), squeeze=False)
     for i, op in enumerate(ops):
         for j in range(ncols):
             ax = axes[i][j]
@@ -497,12 +508,13 @@ def plot(data: dict, path: Path) -> str | None:
             ax.set_title(f"{op}, R={rows}", fontsize=10)
             if j == 0:
                 ax.set_ylabel("latency per call (µs)")
-    last = axes[len(ops)]
-    used = [_panel_ratio(last[j], cases, op) for j, op in enumerate(ops)]
-    used.append(_panel_decode(last[len(ops)], data.get("decode_step") or {}))
-    for j, ax in enumerate(last):
-        if j >= len(used) or not used[j]:
-            ax.set_visible(False)
+    if summary:
+        last = axes[len(ops)]
+        used = [_panel_ratio(last[j], cases, op) for j, op in enumerate(ops)]
+        used.append(_panel_decode(last[len(ops)], dec))
+        for j, ax in enumerate(last):
+            if j >= len(used) or not used[j]:
+                ax.set_visible(False)
     handles, labels = {}, []
     for ax in axes[: len(ops)].flat:
         for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):

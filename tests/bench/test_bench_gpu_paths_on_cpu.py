@@ -134,7 +134,8 @@ def test_decode_step_with_a_stand_in_update(monkeypatch, tmp_path):
     dec["rows"][0]["graph"] = {"gpu_us_per_layer": 11.0, "host_us_per_layer": 1.0,
                                "ops_alone_us_per_layer": {"update": 1.0, "select": 4.0,
                                                           "attention": 5.0},
-                               "kernel_sum_us_per_layer": 10.0, "ratio": 1.1, "met": True}  # fmt: skip
+                               "kernel_sum_us_per_layer": 10.0, "ratio": 1.1,
+                               "met": True}  # fmt: skip
     md = report.markdown({"environment": {}, "config": {"warmup_units": 1, "pairs": 1,
                           "unit_s": 1e-3, "rotation_factor": 2, "cache_bytes": 1},
                           "cases": [], "decode_step": dec})  # fmt: skip

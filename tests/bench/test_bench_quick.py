@@ -111,7 +111,8 @@ def test_quick_host_overhead_and_sections(quick_run):
 def test_validation_section(tmp_path):
     record = tmp_path / "timing.json"
     argv = ["--quick", "--ops", "selection", "--cases", "cross-page", "--out-dir", str(tmp_path),
-            "--no-progress", "--no-profile", "--no-decode-step", "--validation", str(record)]  # fmt: skip
+            "--no-progress", "--no-profile", "--no-decode-step",
+            "--validation", str(record)]  # fmt: skip
     assert cli.main(argv) == 0
     section = json.loads(record.read_text())
     assert section["schema"] == "qsa-bench-validation/1"

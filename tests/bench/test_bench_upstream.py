@@ -172,7 +172,8 @@ def fake_upstream(monkeypatch):
 def test_upstream_runs_our_cases(fake_upstream, op):
     cfg = run.BenchConfig(device=torch.device("cpu"), pairs=2, warmup_units=1, max_copies=2,
                           cache_bytes=1 << 20, memory_budget=64 << 20, compile="none",
-                          impls=("kernel", "upstream", "upstream-score", "ref-vectorised"))  # fmt: skip
+                          impls=("kernel", "upstream", "upstream-score",
+                                 "ref-vectorised"))  # fmt: skip
     spec = cases.CaseSpec(op, "scale", "R=2 ctx=4K", 2, 4096)
     result = run.run_case(spec, cfg, 1e10, run.CompileLedger(), up=fake_upstream)
     assert not result["errors"], result["errors"]
