@@ -274,7 +274,7 @@ def configure(
         cache_bytes=cache,
         memory_budget=budget,
         graph=args.graph,
-        compile=args.compile or ("none" if quick else "targets"),
+        compile=args.compile or ("none" if quick or args.validation else "targets"),
         compile_budget_s=args.compile_budget_s,
         profile=args.profile,
         impls=tuple(n for n in impls.ALL if n in chosen),
