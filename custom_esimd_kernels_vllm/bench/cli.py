@@ -285,7 +285,7 @@ def configure(
     )
     if args.time_budget_s is not None:
         time_budget = args.time_budget_s
-    else:  # --validation runs inside the GPU session's time limit
+    else:  # --validation runs inside scripts/gpu_session.sh's time limit
         time_budget = (
             None if quick else (VALIDATION_TIME_BUDGET_S if args.validation else TIME_BUDGET_S)
         )
@@ -324,7 +324,7 @@ def rerender(path: Path) -> int:
 
 def write_validation(path: Path | None, data: dict) -> bool:
     """The validation record's timing section, rewritten as the run goes (a run stopped by
-    the session's time limit still leaves what it measured)."""
+    gpu_session.sh's time limit still leaves what it measured)."""
     if path is None:
         return False
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ Where the two files come from, in this order:
 
 From a wheel or directory the files are loaded under private module names with a minimal shim
 for the few ``vllm`` modules they import (Triton handles, the device capability, one env
-default, two warm-up helpers); the shim exists only while they load. An import the shim does
+default, two warm-up functions); the shim exists only while they load. An import the shim does
 not provide is refused with its name. Anything missing (no source, no Triton, no CUDA) is a
 stated skip, never a crash.
 """
@@ -100,7 +100,7 @@ class _Platform:
         return major == capability // 10
 
 
-class _WarmupTensor:  # only named by upstream's warm-up helpers, which the bench never calls
+class _WarmupTensor:  # only named by upstream's warm-up functions, which the bench never calls
     pass
 
 
