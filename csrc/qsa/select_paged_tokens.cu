@@ -112,6 +112,7 @@ __global__ void __launch_bounds__(kScoreThreads)
     half8_to_float(raw, qf[h]);
   }
   const __half* ck = static_cast<const __half*>(p.compressed_keys);
+  const uint32_t zero = static_cast<uint32_t>(ncap >> 62);  // ncap < 2^62
   uint32_t* row_keys = keys + rl * ncap;
   const int32_t* table = p.page_table + ri.b * p.page_table_stride;
 
@@ -127,17 +128,20 @@ __global__ void __launch_bounds__(kScoreThreads)
       continue;
     }
     // Half-warp hw takes blocks j0 + k*16 + hw: a warp reads 512 contiguous bytes per load.
+    // NOTES: unpredicated loads of a clamped block (j0 < nbv, same page): the 4 loads go out
+    // together. v4 zero-filled past the end with predicated loads, and ptxas sank each of
+    // them to its first use (one round trip per key). A clamped key's score is not stored.
     uint4 raw[kKeysPerHalfWarp];
 #pragma unroll
     for (int k = 0; k < kKeysPerHalfWarp; ++k) {
-      const int64_t j = j0 + k * 16 + hw;
-      if (j < ri.nbv) {
-        const int64_t slot = phys * kCkPage + (j % kCkPage);
-        raw[k] = load8<kVec16>(ck + slot * kIndexDim + lane * 8);
-      } else {
-        raw[k] = make_uint4(0, 0, 0, 0);
-      }
+      const int64_t j = min(j0 + k * 16 + hw, ri.nbv - 1);
+      const int64_t slot = phys * kCkPage + (j % kCkPage);
+      raw[k] = load8<kVec16>(ck + slot * kIndexDim + lane * 8);
     }
+    // NOTES: ptxas still sank loads 1..3 below key 0's arithmetic (one round trip per key):
+    // key 0 is made to depend on all four (`zero` is 0 at run time, unknown to the
+    // compiler), so all four are in flight before the first FMA.
+    raw[0].x |= (raw[1].x | raw[2].x | raw[3].x) & zero;
 #pragma unroll
     for (int k = 0; k < kKeysPerHalfWarp; ++k) {
       float kf[8];
