@@ -63,6 +63,12 @@ __device__ __forceinline__ int32_t ldg32_pred(const int32_t* p, bool pred, int32
   return v;
 }
 
+__device__ __forceinline__ int64_t ldg64(const int64_t* p) {
+  int64_t v;
+  asm volatile("ld.global.nc.b64 %0, [%1];\n" : "=l"(v) : "l"(p));
+  return v;
+}
+
 // Eight halves, predicated: one 16-byte load (kVec16) or eight 2-byte loads; zero when !pred.
 template <bool kVec16>
 __device__ __forceinline__ uint4 load8_pred(const __half* p, bool pred) {
