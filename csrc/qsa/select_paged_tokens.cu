@@ -117,7 +117,8 @@ __global__ void __launch_bounds__(kScoreThreads)
   const bool b_ok = b >= 0 && b < p.requests;
   const int32_t* table = p.page_table + (b_ok ? b : 0) * p.page_table_stride;
   const int64_t len = detail::ldg32_pred(p.sequence_lengths + (b_ok ? b : 0), b_ok, 0);
-  int64_t phys = detail::ldg32_pred(table + first / kCkPage, b_ok, -1);
+  // (first < ncap: the table has this page; with M = 0 there is no entry to read)
+  int64_t phys = detail::ldg32_pred(table + first / kCkPage, b_ok && first < ncap, -1);
   if (!b_ok) return;
   RowInfo ri;
   ri.valid = true;

@@ -15,10 +15,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cstdlib>
-#include <cstring>
-#include <mutex>
 #include <cmath>
 #include <cstdint>
 
@@ -34,7 +30,6 @@ namespace attention_impl {
 namespace cg = cooperative_groups;
 using detail::half8_to_float;
 using detail::ldg32_pred;
-using detail::load8;
 using detail::load8_pred;
 
 constexpr int kHeads = QSA_ATTN_HEADS;     // 3
@@ -52,7 +47,10 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kTokensPerWarp = 5;
 constexpr int kOut = kHeads * kHeadDim;             // 768 outputs per row
 constexpr int kPartStride = kOut + 8;               // floats: 768 acc, 3 max, 3 sum, 2 pad
-constexpr int kCounterSlots = 4096;                 // one per row (kGlobal merge)
+constexpr int kMaxCluster = 8;                      // portable cluster size
+constexpr int kMaxClusters = 16;                    // clusters per row
+constexpr int kMaxSplits = kMaxCluster * kMaxClusters;
+constexpr int kCounterSlots = 4096;                 // one per (row, slice) when clusters > 1
 // Resolve rounds per warp: each warp owns ceil(columns / 256) * 32 columns of its CTA.
 constexpr int kMaxRounds = (kWidth + kThreads - 1) / kThreads;
 constexpr int kSlotCap = kWarps * kMaxRounds * 32;
@@ -83,69 +81,23 @@ __device__ __forceinline__ float warp_reduce16(const float (&v)[16], int lane) {
   return f + __shfl_xor_sync(0xffffffffu, f, 1);
 }
 
-// Merge modes of split rows (splits > 1).
-enum Mode : int {
-  kSingle = 0,   // splits == 1: the CTA writes the row
-  kCluster = 1,  // one thread-block cluster per row: partials pushed to rank 0 (DSMEM)
-  kGlobal = 2,   // partials in the workspace, the last CTA of the row merges them
-};
-
-constexpr int kMaxClusterCtas = 16;  // non-portable cluster size (Hopper)
-constexpr int kRecvBytes = kMaxClusterCtas * kPartStride * 4;
-constexpr int kPartBytes = (kOut + 2 * kHeads) * 4;  // what one CTA pushes: acc, m, l
-
-constexpr int kSmemTable = 1024;      // page-table rows up to this width are staged
-
 struct AttnShared {
   int32_t slots[kSlotCap];             // resolved cache slots (phys * 512 + i % 512)
-  int32_t table[kSmemTable];           // this row's page table (table_width <= kSmemTable)
   int warp_count[kWarps];
+  float acc[kWarps][kOut];             // per-warp unnormalised outputs
   float m[kWarps][kHeads];
   float l[kWarps][kHeads];
-  unsigned long long recv_bar;         // kCluster: completes when all partials have landed
+  float cta_acc[kOut];                 // this CTA's partial, read by its cluster (DSMEM)
+  float cta_m[kHeads];
+  float cta_l[kHeads];
   int is_last;
 };
 
-// Dynamic shared memory: the K/V staging ring (kWarps x depth x 5 tokens x 1 KiB; reused for
-// the per-warp outputs after the loop), then, in kCluster mode, the partials of the cluster.
-constexpr int kStageTokenBytes = kTokenHalves * 2;  // 1 KiB
-__host__ __device__ constexpr int stage_bytes(int depth) {
-  return kWarps * depth * kTokensPerWarp * kStageTokenBytes;
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 }
-static_assert(stage_bytes(2) >= kWarps * kOut * 4, "per-warp outputs fit in the ring");
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// 16-byte async copy global -> shared; with ok == false nothing is read and zeros land.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
-               "r"(ok ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
-  uint32_t out;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(addr), "r"(rank));
-  return out;
-}
-__device__ __forceinline__ void st_async_f32(uint32_t addr, float v, uint32_t bar) {
-  asm volatile(
-      "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(addr),
-      "r"(__float_as_uint(v)), "r"(bar)
-      : "memory");
+__device__ __forceinline__ void cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ int atomic_add_acq_rel_gpu(int32_t* p, int v) {
   int old;
@@ -156,34 +108,18 @@ __device__ __forceinline__ int atomic_add_acq_rel_gpu(int32_t* p, int v) {
   return old;
 }
 
-// grid (R, splits); in kCluster mode one cluster of `splits` CTAs per row.
-template <bool kVec16, int kDepth>
+// grid (R, splits), clusters of `csize` CTAs along y (csize = 1 when splits == 1).
+template <bool kVec16>
 __global__ void __launch_bounds__(kThreads, 2)
-    attention_kernel(AttentionParams p, int splits, int mode, float* __restrict__ parts) {
+    attention_kernel(AttentionParams p, int splits, int csize, float* __restrict__ parts) {
   __shared__ AttnShared sh;
-  extern __shared__ __align__(16) unsigned char dyn[];
-  uint4* stage = reinterpret_cast<uint4*>(dyn);
-  float* recv = reinterpret_cast<float*>(dyn + stage_bytes(kDepth));
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t r = blockIdx.x;
   const int s = blockIdx.y;
 
-  if (mode == kCluster) {
-    // rank 0 receives the partials: its barrier expects every other CTA's bytes.
-    if (s == 0 && tid == 0) {
-      const uint32_t bar = smem_u32(&sh.recv_bar);
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-                   "r"((splits - 1) * kPartBytes)
-                   : "memory");
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    cluster_arrive_relaxed();  // waited for just before the partials are sent
-  }
-
   // ---- Everything that does not depend on a load is issued first ------------------------
   // q (3 x 16 B per lane), token_to_req and this warp's index columns go out together; the
-  // page-table reads follow in one batch; then the K/V of the first passes.
+  // page-table reads follow in one batch; then the K/V of the first pass.
   const __half* q = static_cast<const __half*>(p.q) + r * kOut;
   uint4 qraw[kHeads];
 #pragma unroll
@@ -206,31 +142,11 @@ __global__ void __launch_bounds__(kThreads, 2)
   const bool row_ok = b >= 0 && b < p.requests;
   const int32_t* table = p.page_table + (row_ok ? b : 0) * p.page_table_stride;
   int32_t ph[kMaxRounds];
-  if (p.table_width <= kSmemTable) {
-    // NOTES: the row's page table (<= 1024 entries) goes to shared memory as soon as
-    // token_to_req is in, while the index loads are still in flight: the lookup then costs
-    // no dependent global round trip after the indices (v6a: indices -> table -> K/V).
 #pragma unroll
-    for (int k = 0; k < kSmemTable / kThreads; ++k) {
-      const int e = tid + k * kThreads;
-      const int32_t v = ldg32_pred(table + (e < p.table_width ? e : 0),
-                                   row_ok && e < p.table_width, -1);
-      if (e < p.table_width) sh.table[e] = v;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int it = 0; it < kMaxRounds; ++it) {
-      const int32_t i = li[it];
-      const bool want = row_ok && i >= 0 && i / kKvPage < p.table_width;
-      ph[it] = want ? sh.table[i / kKvPage] : -1;
-    }
-  } else {
-#pragma unroll
-    for (int it = 0; it < kMaxRounds; ++it) {
-      const int32_t i = li[it];
-      const bool want = row_ok && i >= 0 && i / kKvPage < p.table_width;
-      ph[it] = ldg32_pred(table + (want ? i / kKvPage : 0), want, -1);
-    }
+  for (int it = 0; it < kMaxRounds; ++it) {
+    const int32_t i = li[it];
+    const bool want = row_ok && i >= 0 && i / kKvPage < p.table_width;
+    ph[it] = ldg32_pred(table + (want ? i / kKvPage : 0), want, -1);
   }
   // Warp w compacts the valid entries of its column segment, in column order, into its own
   // region sh.slots[w * seg ...]; token g of the CTA is then found through the warp bases.
@@ -266,40 +182,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     return sh.slots[g + shift];
   };
 
-  // ---- Online softmax: warp w takes tokens pass*40 + w*5 + t ------------------------------
-  // NOTES: each warp keeps kDepth passes of K/V in flight in its own shared-memory ring
-  // (cp.async, 16 B per lane; lane L copies and later reads only dims [8L, 8L+8) of K and V,
-  // so no barrier is needed between copy and use). v5's register loads had one pass in flight.
-  const __half* kv = static_cast<const __half*>(p.kv);
-  constexpr int kPass = kWarps * kTokensPerWarp;
-  const int first = warp * kTokensPerWarp;
-  const int npass = total > first ? (total - first + kPass - 1) / kPass : 0;
-  uint4* ring = stage + warp * (kDepth * kTokensPerWarp * 2 * 32);  // [depth][t][k|v][lane]
-  auto issue = [&](int pass) {
-    uint4* buf = ring + (pass % kDepth) * (kTokensPerWarp * 2 * 32);
-    if constexpr (kVec16) {
-#pragma unroll
-      for (int t = 0; t < kTokensPerWarp; ++t) {
-        const int g = first + pass * kPass + t;
-        const bool ok = pass < npass && g < total;
-        const __half* tok = kv + (ok ? int64_t(slot_of(g)) * kTokenHalves : 0) + lane * 8;
-        cp_async16(buf + (t * 2) * 32 + lane, tok, ok);
-        cp_async16(buf + (t * 2 + 1) * 32 + lane, tok + kHeadDim, ok);
-      }
-      cp_async_commit();
-    } else {  // unaligned K/V: synchronous 2-byte loads (a correctness path)
-#pragma unroll 1
-      for (int t = 0; t < 2 * kTokensPerWarp; ++t) {
-        const int g = first + pass * kPass + t / 2;
-        const bool ok = pass < npass && g < total;
-        const __half* tok = kv + (ok ? int64_t(slot_of(g)) * kTokenHalves : 0) + lane * 8;
-        buf[t * 32 + lane] = ok ? load8<false>(tok + (t % 2) * kHeadDim) : make_uint4(0, 0, 0, 0);
-      }
-    }
-  };
-#pragma unroll
-  for (int d = 0; d < kDepth; ++d) issue(d);
-
+  // ---- Online softmax: warp w takes tokens it*40 + w*5 + t --------------------------------
+  // Lane covers dims [8 lane, 8 lane + 8) of every head.
   float qf[kHeads][8];
 #pragma unroll
   for (int h = 0; h < kHeads; ++h) half8_to_float(qraw[h], qf[h]);
@@ -312,15 +196,17 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int d = 0; d < 8; ++d) acc[h][d] = 0.f;
   }
-  for (int pass = 0; pass < npass; ++pass) {
-    const int g0 = first + pass * kPass;
-    if constexpr (kVec16) cp_async_wait<kDepth - 1>();  // this pass's group has landed
-    const uint4* buf = ring + (pass % kDepth) * (kTokensPerWarp * 2 * 32);
+  const __half* kv = static_cast<const __half*>(p.kv);
+  for (int g0 = warp * kTokensPerWarp; g0 < total; g0 += kWarps * kTokensPerWarp) {
     uint4 kraw[kTokensPerWarp], vraw[kTokensPerWarp];
+    int slot[kTokensPerWarp];
+#pragma unroll
+    for (int t = 0; t < kTokensPerWarp; ++t) slot[t] = g0 + t < total ? slot_of(g0 + t) : 0;
 #pragma unroll
     for (int t = 0; t < kTokensPerWarp; ++t) {
-      kraw[t] = buf[(t * 2) * 32 + lane];
-      vraw[t] = buf[(t * 2 + 1) * 32 + lane];
+      const __half* tok = kv + int64_t(slot[t]) * kTokenHalves + lane * 8;
+      kraw[t] = load8_pred<kVec16>(tok, g0 + t < total);
+      vraw[t] = load8_pred<kVec16>(tok + kHeadDim, g0 + t < total);
     }
     // Partial dots of this lane's 8 dims: value v = t * 3 + h (15 of 16; 15 stays 0).
     float part[16];
@@ -376,18 +262,14 @@ __global__ void __launch_bounds__(kThreads, 2)
         for (int d = 0; d < 8; ++d) acc[h][d] = fmaf(pt, vf[d], acc[h][d]);
       }
     }
-    issue(pass + kDepth);  // refill this pass's buffer (its values are consumed above)
   }
-  if constexpr (kVec16) cp_async_wait<0>();
-  __syncthreads();  // every warp is done with the ring: it now holds the per-warp outputs
 
   // ---- Merge the warps of this CTA (fixed order) -----------------------------------------
-  float* wacc = reinterpret_cast<float*>(dyn);  // [kWarps][kOut]
 #pragma unroll
   for (int h = 0; h < kHeads; ++h) {
 #pragma unroll
     for (int d = 0; d < 8; d += 4) {
-      *reinterpret_cast<float4*>(&wacc[warp * kOut + h * kHeadDim + lane * 8 + d]) =
+      *reinterpret_cast<float4*>(&sh.acc[warp][h * kHeadDim + lane * 8 + d]) =
           make_float4(acc[h][d], acc[h][d + 1], acc[h][d + 2], acc[h][d + 3]);
     }
     if (lane == 0) {
@@ -409,7 +291,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int w = 0; w < kWarps; ++w) {
         const float f = exp2f(sh.m[w][h] - mm);
         ll += sh.l[w][h] * f;
-        aa += wacc[w * kOut + h * kHeadDim + tid] * f;
+        aa += sh.acc[w][h * kHeadDim + tid] * f;
       }
     }
     cta_m[h] = mm;
@@ -418,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 
   __half* out = static_cast<__half*>(p.out) + r * kOut;
-  if (mode == kSingle) {
+  if (splits == 1) {
 #pragma unroll
     for (int h = 0; h < kHeads; ++h) {
       const float v = cta_l[h] > 0.f ? cta_acc[h] / cta_l[h] : 0.f;
@@ -427,110 +309,107 @@ __global__ void __launch_bounds__(kThreads, 2)
     return;
   }
 
-  if (mode == kCluster) {
-    // ---- One cluster per row: rank k pushes its partial into rank 0's recv[k] ----------
-    // NOTES: st.async + an mbarrier with a byte count: no memory fence and no cluster-wide
-    // release barrier on the critical path (a release barrier.cluster costs a MEMBAR.GPU).
-    cluster_wait();  // rank 0's barrier is initialised
-    const uint32_t recv_k = smem_u32(recv + s * kPartStride);
-    if (s != 0) {
-      const uint32_t dst = map_rank(recv_k, 0);
-      const uint32_t bar = map_rank(smem_u32(&sh.recv_bar), 0);
-#pragma unroll
-      for (int h = 0; h < kHeads; ++h) st_async_f32(dst + 4 * (h * kHeadDim + tid), cta_acc[h], bar);
-      if (tid < 2 * kHeads) {
-        float v = 0.f;
-#pragma unroll
-        for (int h = 0; h < kHeads; ++h) {
-          if (tid == h) v = cta_m[h];
-          if (tid == kHeads + h) v = cta_l[h];
-        }
-        st_async_f32(dst + 4 * (kOut + tid), v, bar);
-      }
-      cluster_arrive_relaxed();
-      cluster_wait();  // leave only after rank 0 has everything
-      return;
-    }
-#pragma unroll
-    for (int h = 0; h < kHeads; ++h) {
-      recv[h * kHeadDim + tid] = cta_acc[h];
-      if (tid == h) {
-        recv[kOut + h] = cta_m[h];
-        recv[kOut + kHeads + h] = cta_l[h];
-      }
-    }
-    {
-      const uint32_t bar = smem_u32(&sh.recv_bar);
-      uint32_t done = 0;
-      while (!done) {
-        asm volatile(
-            "{\n\t.reg .pred p;\n\t"
-            "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n\t"
-            "selp.u32 %0, 1, 0, p;\n\t}"
-            : "=r"(done)
-            : "r"(bar)
-            : "memory");
-      }
-    }
-    __syncthreads();  // rank 0's own partial (plain stores) is visible too
-    cluster_arrive_relaxed();
-#pragma unroll
-    for (int h = 0; h < kHeads; ++h) {
-      float mm = -INFINITY;
-      for (int k = 0; k < splits; ++k) mm = fmaxf(mm, recv[k * kPartStride + kOut + h]);
-      float ll = 0.f, aa = 0.f;
-      if (mm != -INFINITY) {
-#pragma unroll 4
-        for (int k = 0; k < splits; ++k) {
-          const float* pk = recv + k * kPartStride;
-          const float f = exp2f(pk[kOut + h] - mm);
-          ll += pk[kOut + kHeads + h] * f;
-          aa += pk[h * kHeadDim + tid] * f;
-        }
-      }
-      out[h * kHeadDim + tid] = __float2half_rn(ll > 0.f ? aa / ll : 0.f);
-    }
-    cluster_wait();
-    return;
-  }
-
-  // ---- kGlobal: publish the partial, the last CTA of the row merges (split order) --------
-  float* part = parts + (r * splits + s) * kPartStride;
-#pragma unroll
-  for (int h = 0; h < kHeads; ++h) part[h * kHeadDim + tid] = cta_acc[h];
-  if (tid < kHeads) {
-#pragma unroll
-    for (int h = 0; h < kHeads; ++h) {
-      if (tid == h) {
-        part[kOut + h] = cta_m[h];
-        part[kOut + kHeads + h] = cta_l[h];
-      }
-    }
-  }
-  __syncthreads();
-  // NOTES: one acq_rel atomic by thread 0 after the barrier (release of the CTA's partial,
-  // acquire of the others' for the last CTA); v5 used two full SC fences.
-  if (tid == 0) sh.is_last = atomic_add_acq_rel_gpu(&p.counters[r], 1) == splits - 1;
-  __syncthreads();
-  if (!sh.is_last) return;
-  const float* row_parts = parts + r * splits * kPartStride;
+  // ---- Cluster merge through distributed shared memory (rank order) -----------------------
+  // CTA of rank k merges outputs [k*768/csize, (k+1)*768/csize) over the cluster's CTAs.
 #pragma unroll
   for (int h = 0; h < kHeads; ++h) {
-    float mm = -INFINITY;
-    for (int t = 0; t < splits; ++t) mm = fmaxf(mm, __ldcg(row_parts + t * kPartStride + kOut + h));
-    float ll = 0.f, aa = 0.f;
-    if (mm != -INFINITY) {
-#pragma unroll 8
-      for (int t = 0; t < splits; ++t) {
-        const float* pt = row_parts + t * kPartStride;
-        const float f = exp2f(__ldcg(pt + kOut + h) - mm);
-        ll += __ldcg(pt + kOut + kHeads + h) * f;
-        aa += __ldcg(pt + h * kHeadDim + tid) * f;
+    sh.cta_acc[h * kHeadDim + tid] = cta_acc[h];
+    if (tid == h) {
+      sh.cta_m[h] = cta_m[h];
+      sh.cta_l[h] = cta_l[h];
+    }
+  }
+  cluster_arrive_release();
+  cluster_wait_acquire();
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = s % csize;
+  const int cidx = s / csize;
+  const int nclusters = splits / csize;
+  const int o_lo = rank * kOut / csize;
+  const int o_hi = (rank + 1) * kOut / csize;
+  constexpr int kSlice = (kOut + 1) / 2;  // csize >= 2: at most 384 outputs per CTA
+  constexpr int kPer = (kSlice + kThreads - 1) / kThreads;
+  float mo[kPer], lo[kPer], ao[kPer];
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int o = o_lo + tid + u * kThreads;
+    mo[u] = -INFINITY;
+    lo[u] = 0.f;
+    ao[u] = 0.f;
+    if (o < o_hi) {
+      const int h = o / kHeadDim;
+      float mk[kMaxCluster];
+#pragma unroll
+      for (int k = 0; k < kMaxCluster; ++k) {
+        mk[k] = k < csize ? *cluster.map_shared_rank(&sh.cta_m[h], k) : -INFINITY;
+        mo[u] = fmaxf(mo[u], mk[k]);
+      }
+      if (mo[u] != -INFINITY) {
+#pragma unroll
+        for (int k = 0; k < kMaxCluster; ++k) {
+          if (k < csize) {
+            const float f = exp2f(mk[k] - mo[u]);
+            lo[u] += *cluster.map_shared_rank(&sh.cta_l[h], k) * f;
+            ao[u] += *cluster.map_shared_rank(&sh.cta_acc[o], k) * f;
+          }
+        }
       }
     }
-    out[h * kHeadDim + tid] = __float2half_rn(ll > 0.f ? aa / ll : 0.f);
   }
-  if (tid == 0) p.counters[r] = 0;  // ready for the next call (and graph replay)
+  cluster_arrive_release();  // done with the other CTAs' shared memory
+
+  if (nclusters == 1) {
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int o = o_lo + tid + u * kThreads;
+      if (o < o_hi) out[o] = __float2half_rn(lo[u] > 0.f ? ao[u] / lo[u] : 0.f);
+    }
+  } else {
+    // ---- Several clusters: publish the slice; the last cluster for it merges ------------
+    float* part = parts + (r * nclusters + cidx) * kPartStride;
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int o = o_lo + tid + u * kThreads;
+      if (o < o_hi) {
+        part[o] = ao[u];
+        if (o == o_lo || o % kHeadDim == 0) {  // one writer per (slice, head)
+          part[kOut + o / kHeadDim] = mo[u];
+          part[kOut + kHeads + o / kHeadDim] = lo[u];
+        }
+      }
+    }
+    __syncthreads();
+    int32_t* counter = p.counters + r * csize + rank;
+    if (tid == 0) sh.is_last = atomic_add_acq_rel_gpu(counter, 1) == nclusters - 1;
+    __syncthreads();
+    if (sh.is_last) {
+      const float* row_parts = parts + r * nclusters * kPartStride;
+#pragma unroll
+      for (int u = 0; u < kPer; ++u) {
+        const int o = o_lo + tid + u * kThreads;
+        if (o < o_hi) {
+          const int h = o / kHeadDim;
+          float mm = -INFINITY;
+          for (int c = 0; c < nclusters; ++c) {
+            mm = fmaxf(mm, __ldcg(row_parts + c * kPartStride + kOut + h));
+          }
+          float ll = 0.f, aa = 0.f;
+          if (mm != -INFINITY) {
+#pragma unroll 4
+            for (int c = 0; c < nclusters; ++c) {
+              const float* pc = row_parts + c * kPartStride;
+              const float f = exp2f(__ldcg(pc + kOut + h) - mm);
+              ll += __ldcg(pc + kOut + kHeads + h) * f;
+              aa += __ldcg(pc + o) * f;
+            }
+          }
+          out[o] = __float2half_rn(ll > 0.f ? aa / ll : 0.f);
+        }
+      }
+      if (tid == 0) *counter = 0;  // ready for the next call (and graph replay)
+    }
+  }
+  cluster_wait_acquire();  // no CTA leaves while its shared memory may still be read
 }
 
 int sm_count(int device) {
@@ -541,139 +420,18 @@ int sm_count(int device) {
   return sms > 0 ? sms : 132;
 }
 
-// NOTES: ring depth: 4 passes (20 KiB per warp, 1 CTA per SM) for cluster rows, where one
-// CTA owns an SM anyway; 2 passes (80 KiB per CTA) elsewhere, so 2 CTAs fit per SM.
-constexpr int kDepthCluster = 4;
-constexpr int kDepthWide = 2;
-constexpr int kMaxGlobalSplits = 64;
+// CTAs per cluster for a split count: the whole row up to 8 splits, else clusters of 8.
+int cluster_size(int splits) { return splits <= kMaxCluster ? splits : kMaxCluster; }
 
-size_t dyn_smem(int mode) {
-  return mode == kCluster ? size_t(stage_bytes(kDepthCluster)) + kRecvBytes
-                          : size_t(stage_bytes(kDepthWide));
-}
-
-template <bool kVec16, int kDepth>
-cudaError_t prepare(int mode) {
-  cudaError_t err = cudaFuncSetAttribute(attention_kernel<kVec16, kDepth>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(dyn_smem(mode)));
-  if (err == cudaSuccess && mode == kCluster) {
-    err = cudaFuncSetAttribute(attention_kernel<kVec16, kDepth>,
-                               cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+// Splits the kernel can run for `rows`: 1..8 (one cluster), or a multiple of 8 up to 128
+// when the (row, slice) counters fit.
+int legal_splits(int64_t rows, int sp) {
+  sp = std::max(1, std::min(sp, kMaxSplits));
+  if (sp > kMaxCluster) {
+    if (rows * kMaxCluster > kCounterSlots) return kMaxCluster;
+    sp = (sp / kMaxCluster) * kMaxCluster;
   }
-  return err;
-}
-
-// Function attributes (once per device) and how many clusters of each size can be resident
-// at once (0: that size cannot be launched). Attributes are not stream operations: allowed
-// during graph capture; the occupancy query is made once, before any capture normally.
-struct DeviceInfo {
-  int sms = 132;
-  int max_clusters[kMaxClusterCtas + 1] = {};
-  cudaError_t status = cudaSuccess;
-};
-
-const DeviceInfo& device_info(int device) {
-  static DeviceInfo infos[64];
-  static std::atomic<uint64_t> ready{0};
-  static std::mutex mu;
-  const uint64_t bit = device >= 0 && device < 64 ? uint64_t(1) << device : 0;
-  static DeviceInfo fallback;
-  if (!bit) return fallback;
-  if (ready.load(std::memory_order_acquire) & bit) return infos[device];
-  std::lock_guard<std::mutex> lock(mu);
-  if (ready.load(std::memory_order_relaxed) & bit) return infos[device];
-  DeviceInfo& info = infos[device];
-  int previous = device;
-  if (cudaGetDevice(&previous) == cudaSuccess && previous != device) cudaSetDevice(device);
-  info.sms = sm_count(device);
-  cudaError_t err = prepare<true, kDepthWide>(kGlobal);
-  if (err == cudaSuccess) err = prepare<false, kDepthWide>(kGlobal);
-  if (err == cudaSuccess) err = prepare<true, kDepthCluster>(kCluster);
-  if (err == cudaSuccess) err = prepare<false, kDepthCluster>(kCluster);
-  info.status = err;
-  if (err == cudaSuccess) {
-    for (int k = 2; k <= kMaxClusterCtas; ++k) {
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(1, static_cast<unsigned>(k));
-      cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = dyn_smem(kCluster);
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = 1;
-      attr[0].val.clusterDim.y = static_cast<unsigned>(k);
-      attr[0].val.clusterDim.z = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      int n = 0;
-      if (cudaOccupancyMaxActiveClusters(&n, attention_kernel<true, kDepthCluster>, &cfg) !=
-          cudaSuccess) {
-        n = 0;
-        (void)cudaGetLastError();  // a refused size is not an error of the call
-      }
-      info.max_clusters[k] = n;
-    }
-  }
-  if (previous != device) cudaSetDevice(previous);
-  ready.fetch_or(bit, std::memory_order_release);
-  return info;
-}
-
-struct Plan {
-  int splits = 1;
-  int mode = kSingle;
-};
-
-bool force_global() {
-  const char* v = std::getenv("QSA_ATTN_MERGE");
-  return v != nullptr && std::strcmp(v, "global") == 0;
-}
-
-Plan make_plan(int64_t rows, int requested, int device) {
-  Plan plan;
-  if (rows <= 0) return plan;
-  const DeviceInfo& info = device_info(device);
-  const bool global_only = force_global();
-  auto cluster_fits = [&](int k) {
-    return !global_only && k >= 2 && k <= kMaxClusterCtas && info.max_clusters[k] >= 1;
-  };
-  if (requested > 0) {
-    plan.splits = std::min(requested, kMaxGlobalSplits);
-    if (plan.splits == 1) return plan;
-    if (cluster_fits(plan.splits)) {
-      plan.mode = kCluster;
-    } else if (rows <= kCounterSlots) {
-      plan.mode = kGlobal;
-    } else {
-      plan.splits = 1;
-    }
-    return plan;
-  }
-  // NOTES: small batches: one cluster of 16 CTAs per row (129 columns each) when all rows'
-  // clusters are resident at once; the merge is then 15 DSMEM pushes, no global round trip.
-  if (cluster_fits(kMaxClusterCtas) && rows <= info.max_clusters[kMaxClusterCtas]) {
-    plan.splits = kMaxClusterCtas;
-    plan.mode = kCluster;
-    return plan;
-  }
-  // Otherwise: minimise (waves x 40-token passes) + a merge cost per partial, 2 resident CTAs
-  // per SM. R=64 -> 4, R>=264 -> 1 on a 132-SM H200.
-  constexpr int64_t kPass = kWarps * kTokensPerWarp;
-  constexpr int64_t kMergeCost = 8;
-  const int64_t slots = 2 * int64_t(info.sms);
-  int64_t best_cost = INT64_MAX;
-  const int max_sp = rows <= kCounterSlots ? kMaxGlobalSplits : 1;
-  for (int sp = 1; sp <= max_sp; ++sp) {
-    const int64_t chunk = (kWidth + sp - 1) / sp;
-    const int64_t waves = (rows * sp + slots - 1) / slots;
-    const int64_t cost = waves * ((chunk + kPass - 1) / kPass) * kPass + kMergeCost * (sp - 1);
-    if (cost < best_cost) {
-      best_cost = cost;
-      plan.splits = sp;
-    }
-  }
-  plan.mode = plan.splits > 1 ? kGlobal : kSingle;
-  return plan;
+  return sp;
 }
 
 }  // namespace attention_impl
@@ -681,13 +439,24 @@ Plan make_plan(int64_t rows, int requested, int device) {
 using namespace attention_impl;
 
 int attention_splits(int64_t rows, int requested, int device) {
-  return make_plan(rows, requested, device).splits;
+  if (rows <= 0) return 1;
+  if (requested > 0) return legal_splits(rows, requested);
+  // NOTES: anchored on the L2-cold split sweep of the H200 (NOTES-kernels.md, v6a): the best
+  // grids were 64 CTAs at R=1 (8 clusters of 8), 192 at R=8 (24 splits), 128 at R=64 (2) and
+  // 256 at R=256 (1). Grids near 2 CTAs per SM with clusters (R=8 x 32, R=64 x 4) lost
+  // 20-30%: not every cluster is resident at once. Small batches aim at 1.5 CTAs per SM
+  // (at most 64 splits), larger ones at one CTA per SM; legal_splits rounds down.
+  const int64_t sms = sm_count(device);
+  int64_t sp = rows <= kMaxCluster ? std::min<int64_t>(64, (3 * sms / 2) / rows)
+                                   : std::min<int64_t>(kMaxCluster, sms / rows);
+  sp = std::max<int64_t>(sp, 1);
+  return legal_splits(rows, static_cast<int>(sp));
 }
 
 size_t attention_workspace_bytes(int64_t rows, int requested, int device) {
-  const Plan plan = make_plan(rows, requested, device);
-  if (plan.mode != kGlobal) return 0;
-  return static_cast<size_t>(rows) * plan.splits * kPartStride * sizeof(float);
+  const int sp = attention_splits(rows, requested, device);
+  if (sp <= kMaxCluster) return 0;
+  return static_cast<size_t>(rows) * (sp / kMaxCluster) * kPartStride * sizeof(float);
 }
 
 int64_t attention_counter_slots() { return kCounterSlots; }
@@ -699,41 +468,33 @@ cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  const DeviceInfo& info = device_info(device);
-  if (info.status != cudaSuccess) return info.status;
-  const Plan plan = make_plan(p.rows, p.splits, device);
-  if (plan.mode == kGlobal) {
+  const int splits = attention_splits(p.rows, p.splits, device);
+  const int csize = cluster_size(splits);
+  if (splits > kMaxCluster) {
     if (p.workspace_bytes < attention_workspace_bytes(p.rows, p.splits, device) ||
         p.counters == nullptr) {
       return cudaErrorInvalidValue;
     }
   }
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(p.rows), static_cast<unsigned>(plan.splits));
+  cfg.gridDim = dim3(static_cast<unsigned>(p.rows), static_cast<unsigned>(splits));
   cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = dyn_smem(plan.mode);
+  cfg.dynamicSmemBytes = 0;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
-  if (plan.mode == kCluster) {
+  if (csize > 1) {
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = static_cast<unsigned>(plan.splits);
+    attr[0].val.clusterDim.y = static_cast<unsigned>(csize);
     attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
   }
   float* parts = static_cast<float*>(p.workspace);
-  const bool vec16 = detail::aligned16(p.q) && detail::aligned16(p.kv);
-  if (plan.mode == kCluster) {
-    err = vec16 ? cudaLaunchKernelEx(&cfg, attention_kernel<true, kDepthCluster>, p, plan.splits,
-                                     plan.mode, parts)
-                : cudaLaunchKernelEx(&cfg, attention_kernel<false, kDepthCluster>, p,
-                                     plan.splits, plan.mode, parts);
+  if (detail::aligned16(p.q) && detail::aligned16(p.kv)) {
+    err = cudaLaunchKernelEx(&cfg, attention_kernel<true>, p, splits, csize, parts);
   } else {
-    err = vec16 ? cudaLaunchKernelEx(&cfg, attention_kernel<true, kDepthWide>, p, plan.splits,
-                                     plan.mode, parts)
-                : cudaLaunchKernelEx(&cfg, attention_kernel<false, kDepthWide>, p, plan.splits,
-                                     plan.mode, parts);
+    err = cudaLaunchKernelEx(&cfg, attention_kernel<false>, p, splits, csize, parts);
   }
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
