@@ -1,7 +1,12 @@
-"""Build targets of the QSA extension: the one authoritative place for toolchains, flags and macros.
+"""Build targets of the QSA ops: the one authoritative place for toolchains, flags and macros.
 
-Read by ``setup.py`` (the package build), ``noxfile.py`` (the pipeline) and the provenance
-manifest. Nothing here imports torch: the compiled module depends on the CUDA runtime only.
+Read by ``setup.py`` (the package build), ``ci/pipeline.py`` (the pipeline) and the provenance
+manifest. Standard library only.
+
+``cuda-sm90`` is built. ``bmg-g21`` and ``bmg-g31`` (Intel Arc B-series, SYCL) are *planned*
+targets without kernel sources yet: their toolchain and flags are declared so that the oneAPI
+image and the pipeline's refusal are real, and ``nox -s build -- --target bmg-g21`` refuses
+with that reason before it looks for a compiler.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class Target:
     macros: dict[str, int] = field(default_factory=lambda: dict(CONTRACT_MACROS))
     container_image: str = ""  # docker/ recipe that builds this target
     description: str = ""
+    planned: bool = False  # declared, but csrc/ has no kernel sources for it yet
 
     def macro_flags(self) -> list[str]:
         return [f"-D{k}={v}" for k, v in sorted(self.macros.items())]
@@ -71,6 +77,7 @@ TARGETS: dict[str, Target] = {
         flags=("-O3", "-std=c++17", "-fPIC"),
         container_image="qsa-build-oneapi",
         description="Intel Arc B-series (BMG-G21), SYCL ahead-of-time",
+        planned=True,
     ),
     "bmg-g31": Target(
         name="bmg-g31",
@@ -79,6 +86,7 @@ TARGETS: dict[str, Target] = {
         flags=("-O3", "-std=c++17", "-fPIC"),
         container_image="qsa-build-oneapi",
         description="Intel Arc B-series (BMG-G31), SYCL ahead-of-time",
+        planned=True,
     ),
 }
 
