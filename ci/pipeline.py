@@ -612,7 +612,11 @@ def lint(env: Env) -> None:
     env.install("ruff")
     env.run("ruff", "check", ".")
     env.run("ruff", "format", "--check", ".")
-    for script in [*sorted(ROOT.glob("docker/*.sh")), ROOT / ".ci" / "run"]:
+    for script in [
+        *sorted(ROOT.glob("docker/*.sh")),
+        *sorted(ROOT.glob("scripts/*.sh")),
+        ROOT / ".ci" / "run",
+    ]:
         env.run("bash", "-n", script)
 
 
