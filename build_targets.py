@@ -47,6 +47,20 @@ class Target:
         return [f"-D{k}={v}" for k, v in sorted(self.macros.items())]
 
 
+def _planned_bmg(name: str) -> Target:
+    """An Intel Arc B-series target (SYCL ahead-of-time): planned, no kernel sources yet."""
+    chip = name.split("-")[1].upper()
+    return Target(
+        name=name,
+        toolchain="icpx",
+        arch_flags=("-fsycl", "-fsycl-targets=spir64_gen", "-Xs", f"-device {name}"),
+        flags=("-O3", "-std=c++17", "-fPIC"),
+        container_image="qsa-build-oneapi",
+        description=f"Intel Arc B-series (BMG-{chip}), SYCL ahead-of-time",
+        planned=True,
+    )
+
+
 TARGETS: dict[str, Target] = {
     "cuda-sm90": Target(
         name="cuda-sm90",
@@ -70,24 +84,7 @@ TARGETS: dict[str, Target] = {
         container_image="qsa-build-cuda",
         description="NVIDIA Hopper (H100/H200), CUDA C++ kernels",
     ),
-    "bmg-g21": Target(
-        name="bmg-g21",
-        toolchain="icpx",
-        arch_flags=("-fsycl", "-fsycl-targets=spir64_gen", "-Xs", "-device bmg-g21"),
-        flags=("-O3", "-std=c++17", "-fPIC"),
-        container_image="qsa-build-oneapi",
-        description="Intel Arc B-series (BMG-G21), SYCL ahead-of-time",
-        planned=True,
-    ),
-    "bmg-g31": Target(
-        name="bmg-g31",
-        toolchain="icpx",
-        arch_flags=("-fsycl", "-fsycl-targets=spir64_gen", "-Xs", "-device bmg-g31"),
-        flags=("-O3", "-std=c++17", "-fPIC"),
-        container_image="qsa-build-oneapi",
-        description="Intel Arc B-series (BMG-G31), SYCL ahead-of-time",
-        planned=True,
-    ),
+    **{name: _planned_bmg(name) for name in ("bmg-g21", "bmg-g31")},
 }
 
 DEFAULT_TARGET = "cuda-sm90"

@@ -28,81 +28,35 @@ nox.options.sessions = ["lint", "tests"]
 nox.options.default_venv_backend = "venv"
 
 
-def step(session: nox.Session) -> None:
-    """Run the pipeline step named like the session in the session's environment."""
-    bin_dir = session.bin_paths[0] if session.bin_paths else None
-    try:
-        pipeline.run_step(session.name, pipeline.STEPS[session.name], bin_dir, session.posargs)
-    except pipeline.Skipped as exc:
-        session.skip(str(exc))
-    except pipeline.Failed as exc:
-        session.error(str(exc))
+def session(func, *, venv: bool = True):
+    """A nox session running the pipeline step ``func`` (in a fresh virtualenv, or with the
+    host's interpreter where ``venv`` is False)."""
+
+    def run(session: nox.Session) -> None:
+        bin_dir = session.bin_paths[0] if session.bin_paths else None
+        try:
+            pipeline.run_step(session.name, func, bin_dir, session.posargs)
+        except pipeline.Skipped as exc:
+            session.skip(str(exc))
+        except pipeline.Failed as exc:
+            session.error(str(exc))
+
+    run.__doc__ = func.__doc__.split("\n\n")[0]
+    return nox.session(name=func.__name__, python=None if venv else False)(run)
 
 
-@nox.session
-def lint(session: nox.Session) -> None:
-    """ruff check + ruff format --check; bash -n over the shell scripts."""
-    step(session)
-
-
-@nox.session
-def tests(session: nox.Session) -> None:
-    """The test suite, run from the checkout (GPU tests skip with their reason on a CPU host)."""
-    step(session)
-
-
-@nox.session
-def build(session: nox.Session) -> None:
-    """Compile the DSO for one target: nox -s build -- --target cuda-sm90 [--container]."""
-    step(session)
-
-
-@nox.session
-def wheel(session: nox.Session) -> None:
-    """bdist wheel of the built DSO, provenance.json inside; dist/SHA256SUMS."""
-    step(session)
-
-
-@nox.session
-def verify(session: nox.Session) -> None:
-    """The wheel in a clean venv: every SHA256 of its DSO agrees; the CPU suite against it."""
-    step(session)
-
-
-@nox.session
-def image(session: nox.Session) -> None:
-    """The CPU test image, and the test suite inside it (offline)."""
-    step(session)
-
-
-@nox.session(python=False)
-def kernels(session: nox.Session) -> None:
-    """GPU host: nox -s kernels -- [--wheel dist/X.whl]; results/gpu-validation.json."""
-    step(session)
-
-
-@nox.session(python=False)
-def bench(session: nox.Session) -> None:
-    """GPU host: python -m custom_esimd_kernels_vllm.bench [ARGS]."""
-    step(session)
-
-
-@nox.session
-def overlay(session: nox.Session) -> None:
-    """The vLLM source overlay: nox -s overlay [-- --tree PATH]."""
-    step(session)
-
-
-@nox.session
-def e2e(session: nox.Session) -> None:
-    """Serve the tiny QSA checkpoint with vLLM and check it (tests/e2e)."""
-    step(session)
-
-
-@nox.session
-def gsm8k(session: nox.Session) -> None:
-    """The GSM8K gate: mechanics check on CPU, or nox -s gsm8k -- --base-url URL [GATE ARGS]."""
-    step(session)
+# The design card, one step per line (ci/pipeline.py holds each step).
+lint = session(pipeline.lint)  # ruff check + format --check; bash -n
+tests = session(pipeline.tests)  # the test suite from the checkout
+build = session(pipeline.build)  # -- --target cuda-sm90 [--container]: DSO + provenance.json
+wheel = session(pipeline.wheel)  # bdist wheel with provenance.json inside; SHA256SUMS
+verify = session(pipeline.verify)  # the wheel in a clean venv: every DSO SHA256 agrees
+image = session(pipeline.image)  # the CPU test image, the suite inside it (offline)
+kernels = session(pipeline.kernels, venv=False)  # GPU host: -- [--wheel W]; validation record
+bench = session(pipeline.bench, venv=False)  # GPU host: the benchmark
+overlay = session(pipeline.overlay)  # the vLLM source overlay [-- --tree PATH]
+e2e = session(pipeline.e2e)  # serve the tiny QSA checkpoint with vLLM, tests/e2e
+gsm8k = session(pipeline.gsm8k)  # GSM8K gate: mechanics on CPU, or -- --base-url URL
 
 
 @nox.session(name="pipeline", python=False)

@@ -256,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m custom_esimd_kernels_vllm.qsa_ops.provenance",
         description="Print the build provenance of the installed QSA kernels.",
+        epilog="exit codes: 0 summary printed or check passed, 1 check failed, 2 usage error",
     )
     parser.add_argument(
         "--check",
