@@ -1,5 +1,9 @@
 """The build-and-validate pipeline: one function per step; noxfile.py's sessions call them.
 
+The runner, the records and the CPU steps live here; ci/gpu.py (kernels, bench),
+ci/containers.py (image, build --container), ci/nox_vllm.py (overlay, e2e) and
+ci/nox_gsm8k.py (gsm8k) hold the other steps.
+
     python3 -m nox -s pipeline                      every step in order, dist/run-record.{json,md}
     python3 -m ci.pipeline STEP [ARGS]              one step without nox, in this interpreter
     python3 -m ci.pipeline kernels --wheel dist/X.whl   the GPU host's validation (no nox needed)
@@ -31,7 +35,6 @@ import subprocess
 import sys
 import threading
 import time
-import xml.etree.ElementTree as ET
 import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -543,18 +546,6 @@ def requirements_file(path: Path) -> list[str]:
     return [ln for ln in lines if ln]
 
 
-def cuda_device() -> tuple[bool, str]:
-    """Whether this host has a usable CUDA device, and why not."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return False, "no CUDA device on this host (nvidia-smi not found)"
-    res = subprocess.run([smi, "-L"], capture_output=True, text=True)
-    gpus = [ln for ln in res.stdout.splitlines() if ln.startswith("GPU ")]
-    if res.returncode != 0 or not gpus:
-        return False, f"no CUDA device on this host (nvidia-smi -L: {res.stderr.strip() or 'none'})"
-    return True, gpus[0]
-
-
 def wheel_members(whl: Path) -> dict[str, str]:
     import hashlib
 
@@ -675,7 +666,9 @@ def build(env: Env) -> None:
     target = build_targets.TARGETS[args.target]
     require_buildable(target)  # before any install: fail fast
     if args.container:
-        build_in_container(env, target)
+        from ci import containers
+
+        containers.build_in_container(env, target)
     else:
         env.install("-r", BUILD_REQUIREMENTS)
         build_native(env, target)
@@ -864,317 +857,29 @@ def verify(env: Env) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Steps: images (the CPU test image, the container build)
+# Steps in their own modules: images (ci/containers.py), GPU host (ci/gpu.py), vLLM
 # --------------------------------------------------------------------------------------------
-
-
-def images():
-    """docker/images.py, by path (a `docker` package would shadow the docker SDK it uses)."""
-    spec = importlib.util.spec_from_file_location("_qsa_images", IMAGES)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def build_image(env: Env, image: str, requirements: list[str], wheels=(), files=()) -> str:
-    """Build ``image`` (and the base image when absent) through docker/images.py; its id."""
-    env.install("docker")
-    result = WORK / f"{image}.json"
-    result.unlink(missing_ok=True)
-    cmd = ["python", IMAGES, "build", image, "--context", WORK / "ctx" / image]
-    cmd += [f"--requirement={r}" for r in requirements]
-    cmd += [f"--extra-wheel={w}" for w in wheels] + [f"--extra-file={f}" for f in files]
-    env.run(*cmd, "--result", result)
-    return json.loads(result.read_text())["id"]
-
-
-def run_in_image(
-    env: Env, image: str, command: str, mounts: dict[Path, str], workdir: str, log: Path
-) -> None:
-    """Run ``command`` in a fresh, offline container of ``image``, its output in ``log``."""
-    cmd = ["python", IMAGES, "run", image, "--workdir", workdir, "--log", log]
-    cmd += [f"--mount={host}:{guest}" for host, guest in mounts.items()]
-    try:
-        env.run(*cmd, command)
-    except Failed:
-        tail = log.read_text(errors="replace").splitlines()[-200:] if log.is_file() else []
-        raise Failed(f"`{command}` failed inside {image}: {error_line(tail)}") from None
-    finally:
-        if log.is_file():
-            env.artifact(log)
 
 
 def image(env: Env) -> None:
-    """Build the CPU test image and run the test suite inside it, offline."""
-    requirements = [TORCH_PIN, *extras(*TEST_EXTRAS), "nox", *requirements_file(BUILD_REQUIREMENTS)]
-    build_image(env, "qsa-test-cpu", requirements)
-    src = images().export_tree(WORK / "image-src")
-    log = LOGS_DIR / "image-tests.log"
-    try:
-        run_in_image(
-            env, "qsa-test-cpu", "python3 -m ci.pipeline tests", {src: "/src"}, "/src", log
-        )
-    finally:
-        inner = src / "dist" / "steps" / "tests.json"
-        if inner.is_file():
-            env.details["tests_in_image"] = json.loads(inner.read_text())
-    summary = [ln for ln in log.read_text(errors="replace").splitlines() if " passed" in ln]
-    env.log("inside qsa-test-cpu: " + (summary[-1].strip("= ") if summary else "done"))
+    """The CPU test image, and the test suite inside it (offline): ci/containers.py."""
+    from ci import containers
 
-
-def build_in_container(env: Env, target: build_targets.Target) -> None:
-    """Build inside the target's image (``python3 -m ci.pipeline build`` there), then compare
-    the container's DSO with the native build's (made first when absent)."""
-    cuda = target.toolchain == "nvcc"
-    image_id = build_image(
-        env,
-        target.container_image,
-        requirements_file(BUILD_REQUIREMENTS),
-        wheels=requirements_file(CUDA_TOOLKIT) if cuda else (),
-        files=[CUDA_TOOLKIT] if cuda else (),
-    )
-    native = json.loads(PROVENANCE_JSON.read_text()) if PROVENANCE_JSON.is_file() else {}
-    if native.get("target", {}).get("name") != target.name or native.get(
-        "sources"
-    ) != provenance.source_digests(ROOT):
-        env.log("no native build of these sources for this target: building it first")
-        env.install("-r", BUILD_REQUIREMENTS)
-        build_native(env, target)
-        native = json.loads(PROVENANCE_JSON.read_text())
-
-    # NOTES: the container builds at the same absolute path as this checkout, because nvcc
-    # derives the mangled names of anonymous namespaces from the source file's absolute path.
-    src = images().export_tree(WORK / "container-src")
-    out = DIST / "container" / target.name
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    log = LOGS_DIR / f"build-container-{target.name}.log"
-    command = (
-        f"python3 -m ci.pipeline build --target {target.name}"
-        f" && cp dist/provenance.json {PACKAGE}/{Path(native['dso']['path']).name} /out/"
-    )
-    run_in_image(
-        env, target.container_image, command, {src: str(ROOT), out: "/out"}, str(ROOT), log
-    )
-    inside_dso = out / Path(native["dso"]["path"]).name
-    inside = json.loads((out / "provenance.json").read_text())
-    inside["git"] = {**native["git"], "note": "exported from the host checkout"}
-    inside["build"]["container"] = {"image": target.container_image, "image_id": image_id}
-    (out / "provenance.json").write_text(json.dumps(inside, indent=2) + "\n")
-    env.artifact(out / "provenance.json")
-    env.artifact(inside_dso)
-    comparison = compare_builds(native, inside, inside_dso)
-    native["container"] = comparison
-    PROVENANCE_JSON.write_text(json.dumps(native, indent=2) + "\n")
-    IN_PACKAGE_PROVENANCE.write_text(PROVENANCE_JSON.read_text())
-    env.artifact(PROVENANCE_JSON)
-    env.details.update(target=target.name, container=comparison)
-    verdict = "IDENTICAL to" if comparison["identical"] else "DIFFERENT from"
-    env.log(
-        f"container DSO {comparison['sha256']} is {verdict} the native DSO {native['dso']['sha256']}"
-    )
-    for diff in comparison["input_differences"]:
-        env.log(f"  input difference: {diff}")
-
-
-def compare_builds(native: dict, inside: dict, inside_dso: Path) -> dict:
-    """Native vs container DSO: equal SHA256 or not, and every input that differs between the
-    two manifests (toolchain versions, target flags, source digests)."""
-    differences = []
-    for key in ("toolchain", "target", "sources"):
-        a, b = native.get(key, {}), inside.get(key, {})
-        differences += [
-            f"{key}.{name}: native {a.get(name)!r} vs container {b.get(name)!r}"
-            for name in diff_keys(a, b)
-        ]
-    return {
-        "image_dso": rel(inside_dso),
-        "sha256": inside["dso"]["sha256"],
-        "identical": inside["dso"]["sha256"] == native["dso"]["sha256"],
-        "input_differences": differences,
-    }
-
-
-# --------------------------------------------------------------------------------------------
-# Steps: kernels, bench (GPU host)
-# --------------------------------------------------------------------------------------------
-
-GPU_CHECKS = ("provenance", "tests", "memcheck", "racecheck", "timing")
-SANITIZER_CORPUS = ROOT / "tests" / "gpu" / "sanitizer_corpus.py"
-
-
-def sanitizer(env: Env, pyenv: dict[str, str], cwd: Path, tool: str) -> None:
-    """compute-sanitizer memcheck over every kernel, racecheck over the selection kernel, on
-    the bad-input corpus; exit code 99 when the tool reports an error."""
-    if shutil.which("compute-sanitizer") is None:
-        raise Failed("compute-sanitizer is not on PATH")
-    args = {
-        "memcheck": ("--tool", "memcheck", "--kernel-name", "kns=qsa", SANITIZER_CORPUS, "all"),
-        "racecheck": (
-            "--tool",
-            "racecheck",
-            "--racecheck-report",
-            "all",
-            "--kernel-name",
-            "kns=select_rows_kernel",
-            SANITIZER_CORPUS,
-            "select",
-        ),
-    }[tool]
-    *flags, corpus, mode = args
-    env.run(
-        "compute-sanitizer",
-        "--error-exitcode",
-        "99",
-        *flags,
-        env.python(),
-        corpus,
-        mode,
-        env={**pyenv, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"},
-        cwd=cwd,
-        timeout=300,
-    )
-
-
-def bench_json(env: Env, path: Path, pyenv: dict[str, str], cwd: Path) -> dict[str, Any]:
-    """The timing section of the validation record: the package's benchmark, as JSON."""
-    env.run("python", "-m", f"{PACKAGE}.bench", "--json", path, env=pyenv, cwd=cwd, timeout=600)
-    return json.loads(path.read_text())
-
-
-def junit_cases(path: Path) -> tuple[dict[str, int], list[dict[str, str]]]:
-    counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
-    cases = []
-    for case in ET.parse(path).getroot().iter("testcase"):
-        outcome = "passed"
-        for tag, name in (("failure", "failed"), ("error", "errors"), ("skipped", "skipped")):
-            if case.find(tag) is not None:
-                outcome = name
-                break
-        counts[outcome] += 1
-        cases.append(
-            {
-                "id": f"{case.get('classname')}::{case.get('name')}",
-                "outcome": "error" if outcome == "errors" else outcome,
-            }
-        )
-    return counts, cases
-
-
-GPU_INFO = """import json, platform, torch
-from custom_esimd_kernels_vllm import qsa_ops
-print(json.dumps({"gpu": torch.cuda.get_device_name(),
-    "compute_capability": ".".join(map(str, torch.cuda.get_device_capability())),
-    "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-    "python": platform.python_version(), "build_info": qsa_ops.build_info()}, default=str))"""
+    containers.image(env)
 
 
 def kernels(env: Env) -> None:
-    """GPU host: the CPU machine's wheel, installed unrebuilt, through the provenance check,
-    tests/gpu, compute-sanitizer (memcheck, racecheck) and the benchmark's timing; writes the
-    GPU validation record (results/gpu-validation.json)."""
-    parser = argparse.ArgumentParser(prog="kernels")
-    parser.add_argument("--wheel", type=Path, help="the wheel to validate (default: dist/*.whl)")
-    parser.add_argument("--record", type=Path, default=GPU_RECORD, help="validation record")
-    args, pytest_args = parser.parse_known_args(env.posargs)  # the rest goes to pytest
-    ok, why = cuda_device()
-    if not ok:
-        env.details["checks"] = {name: f"skipped: {why}" for name in GPU_CHECKS}
-        raise Skipped(why)
-    whl = the_wheel(args.wheel)
-    site, pyenv = install_wheel(env, whl)
-    scratch = WORK / "kernels"
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
-    evidence = provenance_check(env, pyenv, site, scratch)
-    checks = {"provenance": "passed"}
-    junit, timing = DIST / "junit-kernels.xml", DIST / "gpu-timing.json"
-    junit.unlink(missing_ok=True)
-    steps = {
-        "tests": lambda: env.run(
-            "python",
-            "-m",
-            "pytest",
-            ROOT / "tests" / "gpu",
-            "-ra",
-            "-p",
-            "no:cacheprovider",
-            f"--junitxml={junit}",
-            *pytest_args,
-            env=pyenv,
-            cwd=scratch,
-            timeout=900,
-        ),
-        "memcheck": lambda: sanitizer(env, pyenv, scratch, "memcheck"),
-        "racecheck": lambda: sanitizer(env, pyenv, scratch, "racecheck"),
-        "timing": lambda: bench_json(env, timing, pyenv, scratch),
-    }
-    for name, func in steps.items():
-        try:
-            func()
-            checks[name] = "passed"
-        except Failed as exc:
-            checks[name] = f"failed: {exc}"
-    info = json.loads(
-        env.run("python", "-c", GPU_INFO, env=pyenv, cwd=scratch, silent=True).splitlines()[-1]
-    )
-    manifest = json.loads((site / PACKAGE / provenance.MANIFEST_NAME).read_text())
-    counts, cases = junit_cases(junit) if junit.is_file() else ({}, [])
-    source = provenance.source_sha256(ROOT)
-    record = {
-        "command": f"python3 -m ci.pipeline kernels --wheel {whl.name}",
-        "date": now_utc(),
-        "wheel": {"name": whl.name, "sha256": sha256_file(whl)},
-        "dso": {"name": Path(evidence["dso"]["path"]).name, "sha256": evidence["dso"]["sha256"]},
-        "built_from": {
-            "git": manifest.get("git"),
-            "sources_sha256": manifest["sources_sha256"],
-            "target": manifest["target"]["name"],
-            "toolchain": manifest["toolchain"],
-        },
-        "checkout": {
-            "git": provenance.git_state(ROOT),
-            "source_sha256": source,
-            "matches_wheel": source == manifest["sources_sha256"],
-        },
-        **info,
-        "checks": checks,
-        "tests": counts,
-        "timing": json.loads(timing.read_text()) if checks["timing"] == "passed" else None,
-        "cases": cases,
-    }
-    args.record.parent.mkdir(parents=True, exist_ok=True)
-    args.record.write_text(json.dumps(record, indent=1, default=str) + "\n")
-    env.artifact(args.record)
-    env.details.update(
-        checks=checks,
-        tests=counts,
-        wheel_sha256=record["wheel"]["sha256"],
-        dso_sha256=record["dso"]["sha256"],
-    )
-    failed = {k: v for k, v in checks.items() if v != "passed"}
-    if failed:
-        raise Failed("GPU validation: " + "; ".join(f"{k} {v}" for k, v in failed.items()))
-    if not record["checkout"]["matches_wheel"]:
-        raise Failed(
-            f"the wheel was built from sources {manifest['sources_sha256']}, this "
-            f"checkout's tests are of {source}: validate the wheel of this checkout"
-        )
+    """GPU host: the wheel, unrebuilt, through tests/gpu, the sanitizers, the timing: ci/gpu.py."""
+    from ci import gpu
+
+    gpu.kernels(env)
 
 
 def bench(env: Env) -> None:
-    """GPU host: the benchmark (python -m custom_esimd_kernels_vllm.bench ARGS), on the wheel
-    when one is given with --wheel or lies in dist/, else on the checkout's build."""
-    parser = argparse.ArgumentParser(prog="bench")
-    parser.add_argument("--wheel", type=Path, help="run the benchmark on this wheel")
-    args, rest = parser.parse_known_args(env.posargs)
-    ok, why = cuda_device()
-    if not ok:
-        raise Skipped(why)
-    pyenv: dict[str, str] = {}
-    if args.wheel or list(DIST.glob("*.whl")):
-        _, pyenv = install_wheel(env, the_wheel(args.wheel))
-    env.run("python", "-m", f"{PACKAGE}.bench", *rest, env=pyenv)
+    """GPU host: the benchmark, python -m custom_esimd_kernels_vllm.bench ARGS: ci/gpu.py."""
+    from ci import gpu
+
+    gpu.bench(env)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1239,4 +944,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # As ci.pipeline, not __main__: the step modules import ci.pipeline, and must see one module.
+    from ci import pipeline
+
+    sys.exit(pipeline.main())

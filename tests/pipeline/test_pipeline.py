@@ -267,24 +267,28 @@ def test_a_planned_target_refuses_first_with_that_reason(pipeline, dirs):
 
 
 def test_kernels_without_a_gpu_records_every_check_as_skipped(pipeline, dirs, monkeypatch):
-    monkeypatch.setattr(pipeline, "cuda_device", lambda: (False, "no CUDA device on this host (x)"))
+    from ci import gpu
+
+    monkeypatch.setattr(gpu, "cuda_device", lambda: (False, "no CUDA device on this host (x)"))
     with pytest.raises(pipeline.Skipped):
         pipeline.run_step("kernels", pipeline.kernels, None, ["--wheel", "dist/x.whl"])
     rec = record(dirs, "kernels")
     assert rec["reason"] == "no CUDA device on this host (x)"
     assert rec["details"]["checks"] == {
-        name: "skipped: no CUDA device on this host (x)" for name in pipeline.GPU_CHECKS
+        name: "skipped: no CUDA device on this host (x)" for name in gpu.GPU_CHECKS
     }
 
 
 def test_junit_cases_counts_outcomes(pipeline, tmp_path):
+    from ci import gpu
+
     junit = tmp_path / "j.xml"
     junit.write_text(
         '<testsuites><testsuite><testcase classname="a" name="ok"/>'
         '<testcase classname="a" name="bad"><failure/></testcase>'
         '<testcase classname="a" name="skip"><skipped/></testcase></testsuite></testsuites>'
     )
-    counts, cases = pipeline.junit_cases(junit)
+    counts, cases = gpu.junit_cases(junit)
     assert counts == {"passed": 1, "failed": 1, "skipped": 1, "errors": 0}
     assert cases[1] == {"id": "a::bad", "outcome": "failed"}
 
