@@ -287,6 +287,9 @@ class Env:
         environ = self.environ(env)
         argv[0] = shutil.which(argv[0], path=environ["PATH"]) or argv[0]
         shown = " ".join(argv)
+        short = " ".join(
+            [Path(argv[0]).name, *((a.splitlines() or [""])[0][:60] for a in argv[1:4])]
+        )
         self.log(f"$ {shown[:300]}{' ...' if len(shown) > 300 else ''}")
         lines: list[str] = []
         tail: collections.deque[str] = collections.deque(maxlen=400)
@@ -312,9 +315,7 @@ class Env:
                 if now - last[0] >= HEARTBEAT_S:
                     last[0] = now
                     print(
-                        f"[{self.name}] ... {now - start:.0f} s, still running: "
-                        f"{Path(argv[0]).name} {' '.join(argv[1:4])}",
-                        flush=True,
+                        f"[{self.name}] ... {now - start:.0f} s, still running: {short}", flush=True
                     )
                 if timeout is not None and now - start > timeout:
                     expired.set()
@@ -339,15 +340,9 @@ class Env:
             _stop_group(proc)  # whatever the command left running in its group goes too
         elapsed = time.monotonic() - start
         if expired.is_set():
-            raise Failed(
-                f"`{Path(argv[0]).name} {' '.join(argv[1:4])}` timed out after "
-                f"{timeout:.0f} s: {error_line(tail)}"
-            )
+            raise Failed(f"`{short}` timed out after {timeout:.0f} s: {error_line(tail)}")
         if code != 0:
-            raise Failed(
-                f"`{Path(argv[0]).name} {' '.join(argv[1:4])}` exited {code} after "
-                f"{elapsed:.0f} s: {error_line(tail)}"
-            )
+            raise Failed(f"`{short}` exited {code} after {elapsed:.0f} s: {error_line(tail)}")
         return "".join(lines)
 
     def install(self, *args: str | Path, env: dict[str, str] | None = None) -> None:
