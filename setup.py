@@ -14,14 +14,13 @@ SHA256) that torch_ops.cpp reports through ``qsa_build_info_json()``.
   and says once that the PyTorch reference backend will be used.
 * Reproducible: nvcc runs in the repository root on relative paths, with no timestamps or
   absolute paths in the flags, so two clean builds give the same DSO bytes.
-* Source SHA256: SHA256 of the ``sha256sum`` listing (``"<sha256>  <path>\\n"`` per file, sorted
-  by path) of every file under csrc/, i.e. ``sha256sum $(git ls-files csrc | sort) | sha256sum``,
-  computed from the files so it works without git.
+* Source SHA256: ``qsa_ops.provenance.source_sha256`` (the one rule: every input of the DSO,
+  ``provenance.SOURCES``), computed from the files so it works without git.
 """
 
 from __future__ import annotations
 
-import hashlib
+import importlib.util
 import os
 import re
 import shutil
@@ -46,22 +45,17 @@ BINDINGS = "csrc/torch_ops.cpp"
 SKIP_ENV = "QSA_SKIP_CUDA_BUILD"
 
 
-def source_files(root: Path = ROOT) -> list[str]:
-    """Every file under csrc/, as sorted relative POSIX paths."""
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root / CSRC):
-        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
-        for name in filenames:
-            files.append((Path(dirpath) / name).relative_to(root).as_posix())
-    return sorted(files)
+def _provenance():
+    """qsa_ops/provenance.py, loaded by path (standard library only): the one source-hash rule."""
+    path = ROOT / "custom_esimd_kernels_vllm" / "qsa_ops" / "provenance.py"
+    spec = importlib.util.spec_from_file_location("_qsa_provenance", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def source_sha256(root: Path = ROOT) -> str:
-    listing = "".join(
-        f"{hashlib.sha256((root / path).read_bytes()).hexdigest()}  {path}\n"
-        for path in source_files(root)
-    )
-    return hashlib.sha256(listing.encode()).hexdigest()
+    return _provenance().source_sha256(root)
 
 
 def package_version() -> str:
@@ -84,6 +78,11 @@ def cuda_build_disabled() -> str:
         return f"{SKIP_ENV}=1"
     if shutil.which(TARGET.toolchain) is None:
         return f"{TARGET.toolchain} not found on PATH"
+    if importlib.util.find_spec("torch") is None:
+        # NOTES: torch is not a build requirement (an isolated build would download a second,
+        # multi-GB torch just for its headers): build with the installed one, e.g.
+        # `pip install --no-build-isolation .`
+        return "torch is not importable in the build environment (pip install --no-build-isolation)"
     return ""
 
 

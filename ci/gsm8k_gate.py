@@ -11,7 +11,7 @@ Exit codes: 0 passed, 1 failed (accuracy or parity), 2 error (server, data or co
 server that keeps answering 5xx, refuses connections or hangs past the request timeout is an
 error, never a pass.
 
-Usage::
+Usage (the gate needs ``requests``: ``pip install -r ci/gsm8k/requirements.txt``)::
 
     python ci/gsm8k_gate.py --config ci/gsm8k/configs/tiny-qsa.json --base-url http://127.0.0.1:8000
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
+import importlib.util
 import json
 import os
 import random
@@ -36,7 +36,12 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-import requests
+try:
+    import requests
+except ImportError as exc:  # the gate's one dependency outside the standard library
+    raise SystemExit(
+        f"ci/gsm8k_gate.py needs requests ({exc}): pip install -r ci/gsm8k/requirements.txt"
+    ) from None
 
 GATE_NAME = "gsm8k-strict"
 PROGRESS_EVERY_S = 10.0
@@ -318,8 +323,16 @@ def display_path(path: Path) -> str:
     return path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else str(path)
 
 
-def sha256_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def _provenance() -> Any:
+    """The package's provenance module, by path (standard library only: no torch needed)."""
+    path = REPO / "custom_esimd_kernels_vllm" / "qsa_ops" / "provenance.py"
+    spec = importlib.util.spec_from_file_location("_qsa_provenance", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sha256_file = _provenance().sha256_file
 
 
 # --------------------------------------------------------------------------------------------
@@ -744,7 +757,10 @@ def run_gate(
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"exit codes: {EXIT_PASSED} passed, {EXIT_FAILED} failed (accuracy or parity), "
+        f"{EXIT_ERROR} error (server, data or config: no verdict)",
     )
     p.add_argument(
         "--config", required=True, type=Path, help="per-model JSON config (ci/gsm8k/configs/*.json)"

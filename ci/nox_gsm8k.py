@@ -1,4 +1,4 @@
-"""`nox -s gsm8k`: the GSM8K strict gate as a pipeline step (loaded by noxfile.py).
+"""`nox -s gsm8k`: the GSM8K strict gate as a pipeline step (called by ci/pipeline.py).
 
     nox -s gsm8k                                    CPU mechanics check: tiny checkpoint, real vLLM
     nox -s gsm8k -- --base-url URL [GATE ARGS]      gate a running server (GPU runner, real model)
@@ -39,6 +39,7 @@ ROOT = CI.parent
 RESULTS = ROOT / "results" / "gsm8k"
 TINY_CONFIG = CI / "gsm8k" / "configs" / "tiny-qsa.json"
 RELEASE_CONFIG = CI / "gsm8k" / "configs" / "qwen38-qsa-tp8.json"
+GATE_REQUIREMENTS = CI / "gsm8k" / "requirements.txt"
 
 
 def _load(name: str) -> Any:
@@ -227,7 +228,7 @@ def gsm8k(session: Any, record: Any = None) -> None:
     try:
         if any(a == "--base-url" or a.startswith("--base-url=") for a in args):
             if session.venv_backend != "none":
-                session.install("requests")
+                session.install("-r", str(GATE_REQUIREMENTS))
             if not any(a == "--config" or a.startswith("--config=") for a in args):
                 args = ["--config", str(RELEASE_CONFIG), *args]
             session.run("python", str(CI / "gsm8k_gate.py"), *args)

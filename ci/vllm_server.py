@@ -10,15 +10,22 @@ no ``vllm`` distribution, so the ``vllm serve`` console script cannot start) in 
 process group, with HOME, XDG_CACHE_HOME, VLLM_CACHE_ROOT and TMPDIR pointed into one
 temporary directory, because vLLM leaves caches and IPC sockets there. Start-up prints one
 progress line every few seconds until ``/health`` answers 200, and fails with the log tail
-after ``timeout`` seconds or when the server exits. Exit sends SIGTERM to the whole group,
-then SIGKILL after a grace period, checks that no process of the group survives and that
-the shared memory and semaphores it held in /dev/shm are gone, and removes the temporary
-directory; any leftover raises VLLMServerError.
+after ``timeout`` seconds or when the server exits.
+
+Shutdown is graceful: the server runs with ``--shutdown-timeout 10`` (vLLM's default, 0, aborts:
+on SIGTERM it kills its tensor-parallel workers, which then never unlink their shared memory),
+so SIGTERM lets it drain and stop its workers; SIGKILL follows only after that drain plus a
+grace period. The check afterwards is strict: no process of the group may survive, and no
+/dev/shm file may be left that the server held or that appeared under ``vllm*`` while it ran
+and no live process holds; the temporary directory must be gone. Any leftover is removed and
+then raises VLLMServerError. The cleanup cannot be skipped: it runs on leaving the ``with``
+block (also on errors), on a SIGTERM of this process and at interpreter exit.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import shutil
 import signal
@@ -26,12 +33,18 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import requests
 
-DEFAULT_ARGS = ("--enforce-eager", "--dtype", "float32", "--max-model-len", "4096")
+SHUTDOWN_TIMEOUT_S = 10  # vLLM drains and stops its workers within this after SIGTERM
+DEFAULT_ARGS = (
+    "--enforce-eager", "--dtype", "float32", "--max-model-len", "4096",
+    "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+)  # fmt: skip
+SHM = Path("/dev/shm")
 DEFAULT_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache on CPU hosts
     "VLLM_NO_USAGE_STATS": "1",
@@ -73,10 +86,10 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
-def shared_memory_of(pgid: int) -> set[str]:
-    """/dev/shm files (shared memory, semaphores) that processes of the group map or hold open."""
+def _shm_held_by(pids: list[int]) -> set[str]:
+    """/dev/shm files (shared memory, semaphores) that the processes map or hold open."""
     found: set[str] = set()
-    for pid in _group_members(pgid):
+    for pid in pids:
         try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
@@ -86,9 +99,50 @@ def shared_memory_of(pgid: int) -> set[str]:
                 path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
                 if path.startswith("/dev/shm/"):
                     found.add(path.split(" (deleted)")[0])
-        except OSError:  # the process ended meanwhile
+        except OSError:  # the process ended meanwhile, or is not ours to read
             continue
     return found
+
+
+def shared_memory_of(pgid: int) -> set[str]:
+    """/dev/shm files that processes of the group map or hold open."""
+    return _shm_held_by(_group_members(pgid))
+
+
+def vllm_shm() -> set[str]:
+    """The vLLM segments in /dev/shm now (``vllm*``: its shared-memory broadcast and CPU
+    communicators)."""
+    try:
+        return {str(SHM / name) for name in os.listdir(SHM) if name.startswith("vllm")}
+    except OSError:
+        return set()
+
+
+def orphaned(paths: set[str]) -> set[str]:
+    """Those of ``paths`` that still exist and that no live process holds."""
+    existing = {p for p in paths if os.path.exists(p)}
+    if not existing:
+        return set()
+    pids = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    return existing - _shm_held_by(pids)
+
+
+_live: set[VLLMServer] = set()
+
+
+def _stop_all() -> None:
+    for server in list(_live):
+        try:
+            server.stop()
+        except VLLMServerError as exc:
+            print(f"[vllm] {exc}", file=sys.stderr, flush=True)
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds every `with VLLMServer(...)`: their stop() runs
+
+
+atexit.register(_stop_all)
 
 
 class VLLMServerError(RuntimeError):
@@ -109,7 +163,7 @@ class VLLMServer:
         env: dict[str, str] | None = None,
         served_name: str = "qsa-tiny",
         progress_every: float = 5.0,
-        grace: float = 20.0,
+        grace: float = SHUTDOWN_TIMEOUT_S + 20.0,
     ) -> None:
         self.model_dir = Path(model_dir).resolve()
         self.extra_args = list(extra_args)
@@ -127,6 +181,7 @@ class VLLMServer:
         self.workdir: Path | None = None
         self.log_path: Path | None = None
         self._log = None
+        self._shm_before: set[str] = set()
 
     # --- lifecycle ----------------------------------------------------------------------
     def command(self) -> list[str]:
@@ -141,6 +196,12 @@ class VLLMServer:
         ]  # fmt: skip
 
     def start(self) -> str:
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        ):
+            signal.signal(signal.SIGTERM, _on_sigterm)
+        self._shm_before = vllm_shm()
         self.workdir = Path(tempfile.mkdtemp(prefix="qsa-vllm-"))
         home = self.workdir / "home"
         tmp = self.workdir / "tmp"
@@ -167,6 +228,7 @@ class VLLMServer:
             cwd=self.workdir,
             start_new_session=True,  # own process group: stop() signals all of it
         )
+        _live.add(self)
         try:
             self._wait_ready()
         except BaseException:
@@ -225,12 +287,17 @@ class VLLMServer:
                 time.sleep(0.2)
             if _group_alive(pgid):
                 problems.append(f"process group {pgid} survives SIGKILL")
+            # Strict: what the server held, and vllm* segments that appeared while it ran and
+            # that no live process holds (another server on this host keeps its own mapped).
+            suspects = self.shared_memory | (vllm_shm() - self._shm_before)
             deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and any(map(os.path.exists, self.shared_memory)):
+            while time.monotonic() < deadline and orphaned(suspects):
                 time.sleep(0.2)
-            left = sorted(p for p in self.shared_memory if os.path.exists(p))
+            left = sorted(orphaned(suspects))
             if left:
                 problems.append(f"shared memory left behind: {', '.join(left)}")
+                for path in left:  # cleaned up all the same: the next run starts clean
+                    Path(path).unlink(missing_ok=True)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -240,6 +307,7 @@ class VLLMServer:
             if self.workdir.exists():
                 problems.append(f"temporary directory {self.workdir} could not be removed")
         self.proc = None
+        _live.discard(self)
         if problems:
             raise VLLMServerError("unclean vLLM shutdown: " + "; ".join(problems))
 

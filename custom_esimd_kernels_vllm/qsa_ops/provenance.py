@@ -1,23 +1,28 @@
-"""Build provenance: what went into the compiled module, and which file is actually loaded.
+"""Build provenance: what went into the compiled ops, and which file is actually loaded.
 
-The pipeline's ``build`` step writes a manifest (``dist/provenance.json``) and the wheel carries
+The one place for the project's build facts (stdlib only, so that ``setup.py``, the pipeline
+and the GSM8K gate can import this file by path without torch):
+
+- :data:`SOURCES`, :func:`source_files`, :func:`source_sha256`: the inputs of the DSO and the
+  hash over them (the build embeds it, the manifest and the GPU validation record repeat it);
+- :func:`sha256_file`: the one file hash; :func:`git_state`: the one "dirty checkout" rule;
+- :func:`tool_version`, :func:`make_manifest`: the toolchain and the manifest of a build;
+- :data:`DSO_NAME`, :func:`dso_files`: the name of the compiled file.
+
+The pipeline's ``build`` step writes the manifest (``dist/provenance.json``) and the wheel carries
 it inside the package as ``custom_esimd_kernels_vllm/provenance.json``. It records the target,
 the toolchain versions, flags and macros, the SHA256 of every source file, the git commit and
-dirty flag, and the path and SHA256 of the compiled module (the DSO).
+dirty flag, and the path and SHA256 of the DSO.
 
 At run time this module answers one question: *is the DSO this process loaded the one the
 manifest describes?* ::
 
     from custom_esimd_kernels_vllm.qsa_ops import provenance
-    provenance.loaded_dso()      # {"path": ..., "sha256": ...} of the loaded _C.so
+    provenance.loaded_dso()      # {"path": ..., "sha256": ...} of the loaded DSO
     provenance.read_manifest()   # the shipped manifest, or None in a source checkout
     provenance.check()           # raises ProvenanceError on any mismatch
 
     python -m custom_esimd_kernels_vllm.qsa_ops.provenance [--check]
-
-The build-time half (:func:`source_digests`, :func:`git_state`, :func:`tool_version`,
-:func:`make_manifest`) uses only the standard library; it takes the target's fields as plain
-arguments so that the installed package never imports the repository's ``build_targets.py``.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ from pathlib import Path
 from typing import Any
 
 PACKAGE = "custom_esimd_kernels_vllm"
-DSO_NAME = "_C.so"  # the compiled library (qsa_ops/ops.py loads it with torch.ops.load_library)
-OPS_MODULE = f"{PACKAGE}.qsa_ops.ops"
+# The compiled ops: one LibTorch stable-ABI library, loaded with torch.ops.load_library.
+DSO_NAME = "_C.so"
 MANIFEST_NAME = "provenance.json"
 SCHEMA = 1
+# Everything that decides the DSO's bytes (files or directories, relative to the checkout).
+SOURCES = ("csrc", "setup.py", "build_targets.py", "pyproject.toml")
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
 
@@ -70,17 +77,29 @@ def read_manifest() -> dict[str, Any] | None:
     return json.loads(path.read_text())
 
 
-def loaded_dso() -> dict[str, Any]:
-    """Path and SHA256 of the compiled library this process loaded.
+def dso_files(package_dir: str | Path = _PACKAGE_DIR) -> list[Path]:
+    """The compiled ops files in ``package_dir`` (normally one)."""
+    package_dir = Path(package_dir)
+    return sorted(package_dir.glob(DSO_NAME))
 
-    Raises ImportError (with the loader's reason) when it is not loaded; the library links the
-    CUDA runtime statically and needs only torch's own libraries, so loading it needs no GPU.
+
+def loaded_dso() -> dict[str, Any]:
+    """Path and SHA256 of the compiled ops file this process loaded.
+
+    Imports the op layer (which loads its DSO) and looks the file up in
+    ``torch.ops.loaded_libraries``; raises ImportError, with the reason, when no DSO is loaded.
+    Loading it needs no GPU.
     """
-    ops = sys.modules.get(OPS_MODULE) or importlib.import_module(OPS_MODULE)
-    if ops.BACKEND != "cuda":
-        raise ImportError(f"the compiled library is not loaded: {ops.LIBRARY_ERROR}")
-    path = ops.LIBRARY_PATH.resolve()
-    return {"library": DSO_NAME, "path": str(path), "sha256": sha256_file(path)}
+    importlib.import_module(f"{PACKAGE}.qsa_ops")
+    torch = sys.modules.get("torch")
+    loaded = getattr(getattr(torch, "ops", None), "loaded_libraries", ())
+    found = sorted(Path(p).resolve() for p in loaded if Path(p).name == DSO_NAME)
+    if not found:
+        raise ImportError(
+            f"no {DSO_NAME} is loaded: {PACKAGE}.qsa_ops did not load one from {_PACKAGE_DIR} "
+            f"(files there: {[p.name for p in dso_files()] or 'none'})"
+        )
+    return {"module": DSO_NAME, "path": str(found[0]), "sha256": sha256_file(found[0])}
 
 
 def check() -> dict[str, Any]:
@@ -135,9 +154,9 @@ def summary() -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def source_digests(root: Path, paths: Iterable[str | Path]) -> dict[str, str]:
-    """``{relative path: sha256}`` for every file under the given paths (files or directories),
-    sorted, skipping caches; paths are relative to ``root`` with forward slashes."""
+def source_files(root: str | Path, paths: Iterable[str | Path] = SOURCES) -> list[str]:
+    """Every file under ``paths`` (files or directories) as sorted relative POSIX paths,
+    skipping caches; a missing path raises FileNotFoundError."""
     root = Path(root)
     files: set[Path] = set()
     for entry in paths:
@@ -148,7 +167,23 @@ def source_digests(root: Path, paths: Iterable[str | Path]) -> dict[str, str]:
             files.add(p)
         else:
             raise FileNotFoundError(f"provenance source {entry!r} does not exist under {root}")
-    return {f.relative_to(root).as_posix(): sha256_file(f) for f in sorted(files)}
+    return sorted(f.relative_to(root).as_posix() for f in files)
+
+
+def source_digests(root: str | Path, paths: Iterable[str | Path] = SOURCES) -> dict[str, str]:
+    """``{relative path: sha256}`` of :func:`source_files`."""
+    return {name: sha256_file(Path(root) / name) for name in source_files(root, paths)}
+
+
+def listing_sha256(digests: Mapping[str, str]) -> str:
+    """The hash of a ``{path: sha256}`` listing (``sha256sum`` format, sorted by path)."""
+    listing = "".join(f"{sha}  {name}\n" for name, sha in sorted(digests.items()))
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def source_sha256(root: str | Path) -> str:
+    """The one source hash of the DSO: :func:`listing_sha256` over the :data:`SOURCES`."""
+    return listing_sha256(source_digests(root))
 
 
 def git_state(root: Path) -> dict[str, Any]:
@@ -191,9 +226,7 @@ def make_manifest(
     """Assemble the manifest written to ``dist/provenance.json`` and shipped in the wheel."""
     dso_path = Path(dso_path)
     rel = dso_path.resolve().relative_to(Path(root).resolve()).as_posix()
-    aggregate = hashlib.sha256(
-        "".join(f"{sha}  {name}\n" for name, sha in sorted(sources.items())).encode()
-    ).hexdigest()
+    aggregate = listing_sha256(sources)
     return {
         "schema": SCHEMA,
         "package": PACKAGE.replace("_", "-"),
@@ -215,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m custom_esimd_kernels_vllm.qsa_ops.provenance",
         description="Print the build provenance of the installed QSA kernels.",
+        epilog="exit codes: 0 summary printed or check passed, 1 check failed, 2 usage error",
     )
     parser.add_argument(
         "--check",

@@ -63,7 +63,7 @@ def nox_gsm8k(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 def test_base_url_gates_a_running_server_with_the_release_config(nox_gsm8k) -> None:
     session = FakeSession(["--base-url", "http://gpu-runner:8000", "--threshold", "0.9"])
     nox_gsm8k.gsm8k(session)
-    assert session.installs == [("requests",)]
+    assert session.installs == [("-r", str(nox_gsm8k.GATE_REQUIREMENTS))]
     (args, _), *_ = session.runs
     assert args[1].endswith("gsm8k_gate.py")
     assert args[2:4] == ("--config", str(nox_gsm8k.RELEASE_CONFIG))

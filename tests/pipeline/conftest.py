@@ -1,8 +1,9 @@
-"""Fixtures of the pipeline tests: the repository root and the noxfile loaded as a module."""
+"""Fixtures of the pipeline tests: the repository root, ci/pipeline.py, docker/images.py."""
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,12 @@ def load(relpath: str, name: str):
 
 
 @pytest.fixture(scope="session")
-def noxfile():
-    pytest.importorskip("nox", reason="the noxfile needs nox (the tests session installs it)")
-    return load("noxfile.py", "qsa_noxfile")
+def pipeline():
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from ci import pipeline
+
+    return pipeline
 
 
 @pytest.fixture(scope="session")

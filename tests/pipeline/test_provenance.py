@@ -5,8 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
-import sys
-import types
 
 import pytest
 
@@ -15,14 +13,14 @@ from custom_esimd_kernels_vllm.qsa_ops import provenance
 
 @pytest.fixture
 def fake_install(tmp_path, monkeypatch):
-    """A package directory holding a fake library, registered as the one qsa_ops.ops loaded."""
+    """A package directory holding a fake library, listed as the one torch.ops loaded."""
     pkg = tmp_path / "custom_esimd_kernels_vllm"
     pkg.mkdir()
     dso = pkg / provenance.DSO_NAME
     dso.write_bytes(b"\x7fELF fake library bytes")
-    module = types.ModuleType(provenance.OPS_MODULE)
-    module.BACKEND, module.LIBRARY_ERROR, module.LIBRARY_PATH = "cuda", "", dso
-    monkeypatch.setitem(sys.modules, provenance.OPS_MODULE, module)
+    import torch
+
+    monkeypatch.setattr(torch.ops, "loaded_libraries", {str(dso)})
     monkeypatch.setattr(provenance, "_PACKAGE_DIR", pkg)
     return tmp_path, dso
 
@@ -138,3 +136,30 @@ def test_git_state_reports_commit_and_dirty_flag(tmp_path):
     (tmp_path / "a.txt").write_text("changed")
     dirty = provenance.git_state(tmp_path)
     assert dirty["dirty"] is True and dirty["dirty_paths"] == ["a.txt"]
+
+
+def test_the_one_source_hash_rule(tmp_path):
+    for name in provenance.SOURCES:
+        path = tmp_path / name
+        if "." in name:
+            path.write_text(name)
+        else:
+            (path / "qsa").mkdir(parents=True)
+            (path / "qsa" / "qsa.h").write_text("header")
+    files = provenance.source_files(tmp_path)
+    assert files == ["build_targets.py", "csrc/qsa/qsa.h", "pyproject.toml", "setup.py"]
+    listing = "".join(
+        f"{hashlib.sha256((tmp_path / f).read_bytes()).hexdigest()}  {f}\n" for f in files
+    )
+    assert provenance.source_sha256(tmp_path) == hashlib.sha256(listing.encode()).hexdigest()
+    manifest = provenance.make_manifest(
+        target={}, toolchain={}, sources=provenance.source_digests(tmp_path), git={},
+        dso_path=tmp_path / "setup.py", root=tmp_path, build={}, version="0",
+    )  # fmt: skip
+    assert manifest["sources_sha256"] == provenance.source_sha256(tmp_path)
+
+
+def test_dso_files_find_the_stable_abi_library(tmp_path):
+    assert provenance.dso_files(tmp_path) == []
+    (tmp_path / provenance.DSO_NAME).write_bytes(b"\x7fELF")
+    assert [p.name for p in provenance.dso_files(tmp_path)] == ["_C.so"]

@@ -9,7 +9,6 @@ container build uses the checkout's path for the same reason).
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import subprocess
 import sys
@@ -17,21 +16,23 @@ from pathlib import Path
 
 import pytest
 
+from custom_esimd_kernels_vllm.qsa_ops import provenance
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
 def build_once(src) -> str:
     shutil.rmtree(src / "build", ignore_errors=True)
-    for old in (src / "custom_esimd_kernels_vllm").glob("_C.so"):
+    for old in provenance.dso_files(src / "custom_esimd_kernels_vllm"):
         old.unlink()
     res = subprocess.run(
         [sys.executable, "setup.py", "--quiet", "build_ext", "--inplace"],
         cwd=src, capture_output=True, text=True,
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    (dso,) = (src / "custom_esimd_kernels_vllm").glob("_C.so")
-    return hashlib.sha256(dso.read_bytes()).hexdigest()
+    (dso,) = provenance.dso_files(src / "custom_esimd_kernels_vllm")
+    return provenance.sha256_file(dso)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")

