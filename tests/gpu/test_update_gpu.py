@@ -1,0 +1,128 @@
+"""update_caches on the GPU: bit-exact against the independent numpy rule, chunking
+invariance, padded rows, CUDA-graph replay and the launch count of the CUDA kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_helpers import DEVICE
+from torch.profiler import ProfilerActivity, profile
+
+from custom_esimd_kernels_vllm.qsa_ops import testing
+from custom_esimd_kernels_vllm.qsa_ops.cache_update import update_caches
+
+pytestmark = pytest.mark.gpu
+KERNEL_MISSING = (
+    "qsa::update_caches has no CUDA kernel registered yet (the op layer wires "
+    "csrc/qsa/update_caches.cu)"
+)
+
+
+def _has_cuda_kernel() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("qsa::update_caches", "CUDA")
+
+
+@pytest.fixture
+def cuda_kernel(cuda_backend):
+    if not _has_cuda_kernel():
+        pytest.skip(KERNEL_MISSING)
+    return cuda_backend
+
+
+@pytest.mark.parametrize("T", [1, 8, 64, 300, 4099])
+@pytest.mark.parametrize("every_row", [False, True])
+def test_update_bit_exact(cuda_backend, T, every_row):
+    case = testing.make_update_case(T, DEVICE, seed=T, every_row=every_row)
+    run = case.clone()
+    update_caches(*run.args())
+    torch.cuda.synchronize()
+    testing.check_update(case.to("cpu"), run.kv_cache, run.compressed_key_cache)
+
+
+def test_update_matches_cpu_reference_bitwise(cuda_backend):
+    case = testing.make_update_case(777, "cpu", seed=11)
+    cpu, gpu = case.clone(), case.to(DEVICE)
+    update_caches(*cpu.args())
+    update_caches(*gpu.args())
+    torch.cuda.synchronize()
+    assert torch.equal(gpu.kv_cache.cpu().view(torch.int16), cpu.kv_cache.view(torch.int16))
+    assert torch.equal(
+        gpu.compressed_key_cache.cpu().view(torch.int16),
+        cpu.compressed_key_cache.view(torch.int16),
+    )
+
+
+def test_update_unaligned_inputs(cuda_backend):
+    """key/value with a storage offset that breaks 16-byte alignment (the scalar path)."""
+    case = testing.make_update_case(33, DEVICE, seed=2)
+    wide = torch.empty(33 * 256 + 1, dtype=torch.float16, device=DEVICE)
+    key = wide[1:].view(33, 256)
+    key.copy_(case.key)
+    odd = testing.UpdateCase("unaligned", key, *case.args()[1:])
+    run = odd.clone()
+    update_caches(*run.args())
+    torch.cuda.synchronize()
+    testing.check_update(odd.to("cpu"), run.kv_cache, run.compressed_key_cache)
+
+
+def test_chunking_invariance_on_gpu(cuda_backend):
+    gen = torch.Generator().manual_seed(3)
+    length = 1100
+    key = torch.randn(length, 256, generator=gen).half().to(DEVICE)
+    value = torch.randn(length, 256, generator=gen).half().to(DEVICE)
+    wk = (torch.randn(128, 256, generator=gen) * 0.1).to(DEVICE)
+    kv0 = torch.randn(4, 512, 512, generator=gen).half().to(DEVICE)
+    ck0 = torch.randn(5, 128, 1, 128, generator=gen).half().to(DEVICE)
+    results = []
+    for chunks in ([1100], [513, 587], [1] * 9 + [1091], [511, 2, 587]):
+        kv, ck = kv0.clone(), ck0.clone()
+        start = 0
+        for size in chunks:
+            pos = range(start, start + size)
+            slots, ck_slots = testing.update_slots(pos, [3, 0, 2], [1, 4, 0])
+            update_caches(
+                key[start : start + size],
+                value[start : start + size],
+                torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+                torch.tensor(ck_slots, dtype=torch.int64, device=DEVICE),
+                wk,
+                kv,
+                ck,
+            )
+            start += size
+        torch.cuda.synchronize()
+        results.append((kv.view(torch.int16).cpu(), ck.view(torch.int16).cpu()))
+    for kv, ck in results[1:]:
+        assert torch.equal(kv, results[0][0]) and torch.equal(ck, results[0][1])
+
+
+def test_update_graph_replay(cuda_kernel):
+    case = testing.make_update_case(64, DEVICE, seed=5)
+    expected = case.clone()
+    update_caches(*expected.args())
+    run = case.clone()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        update_caches(*case.clone().args())  # warm-up on the capture stream
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        update_caches(*run.args())
+    for _ in range(3):
+        run.kv_cache.copy_(case.kv_cache)
+        run.compressed_key_cache.copy_(case.compressed_key_cache)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(run.kv_cache, expected.kv_cache)
+        assert torch.equal(run.compressed_key_cache, expected.compressed_key_cache)
+
+
+def test_update_launch_count(cuda_kernel):
+    case = testing.make_update_case(64, DEVICE, seed=6)
+    update_caches(*case.args())
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        update_caches(*case.args())
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    assert len(kernels) == 2, [e.name for e in kernels]
