@@ -14,6 +14,7 @@ before the platform's checks and before any weight is loaded).
 
 from __future__ import annotations
 
+from vllm.config import CompilationConfig
 from vllm.logger import init_logger
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
@@ -78,7 +79,7 @@ def add_splitting_op(compilation_config) -> None:
         logger.info("QSA: splitting_ops=[] kept; %s is captured inside the graph", SPLITTING_OP)
         return
     if ops is None:
-        ops = list(type(compilation_config)._attention_ops)
+        ops = list(CompilationConfig._attention_ops)  # what vLLM uses for None
     if SPLITTING_OP not in ops:
         ops = [*ops, SPLITTING_OP]
     compilation_config.splitting_ops = ops
