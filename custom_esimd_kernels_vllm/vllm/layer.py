@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
@@ -208,6 +209,10 @@ def _transfer_kv(layer_name: str, run) -> None:
     run()
 
 
+# NOTES: as upstream's QSA owner: a break point of vLLM's opt-in breakable CUDA graphs
+# (VLLM_USE_BREAKABLE_CUDAGRAPH; a no-op otherwise), outermost, so that the KV transfer
+# hooks run in the eager segment.
+@eager_break_during_capture
 def qsa_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -5,11 +5,12 @@ Four server lives collect every answer first (``served``); the tests then compar
 * A, vLLM's default compilation mode, one-shot prefill (--max-num-batched-tokens 4096):
   first answers, a concurrent batch, a prefix-cache hit (asserted from /metrics), malformed
   requests, clean shutdown;
-* B, eager (--enforce-eager), one-shot, no prefix caching, restarted through the overlay
-  alone: every prompt again (compiled == eager, and the uncached answers);
-* C, eager, forced chunked prefill (--max-num-batched-tokens 64) over a tiny KV space (6
-  usable pages): every prompt (chunked == one-shot), then three concurrent prompts that
-  cannot all stay resident (preemption, asserted from /metrics, == one by one on B);
+* B, eager (--enforce-eager), one-shot, no prefix caching, a tiny KV space (6 usable
+  pages), restarted through the overlay alone: every prompt again, one by one (compiled ==
+  eager, and the uncached answers), then four concurrent prompts that cannot all stay
+  resident (preemption, asserted from /metrics, == the same prompts one by one);
+* C, eager, forced chunked prefill (--max-num-batched-tokens 64): every prompt (chunked ==
+  one-shot);
 * D, TP=2 in the default mode: == the dense and the QSA references.
 
 Short prompts == dense transformers Qwen3; the 2100-token prompt (truly sparse) == the
@@ -29,7 +30,7 @@ pytest.importorskip("vllm", reason="the E2E suite runs in a vLLM environment (no
 
 from client import MODEL, greedy, greedy_concurrently, prompt  # noqa: E402
 from servers import QSAServer, metric  # noqa: E402
-from vllm_server import _group_alive  # noqa: E402
+from vllm_server import VLLMServerError, _group_alive  # noqa: E402
 
 from custom_esimd_kernels_vllm.qsa_ops.contract import WIDTH  # noqa: E402
 
@@ -40,9 +41,11 @@ LONG = (2100,)
 SERVER_TIMEOUT = float(os.environ.get("QSA_E2E_SERVER_TIMEOUT", "600"))
 ONE_SHOT = ("--max-num-batched-tokens", "4096")  # every prompt here prefills in one step
 CHUNK = 64
-# 7 blocks of 512 tokens (block 0 is vLLM's null block): three 1020-token prompts take 2
-# pages each and need a third at their 1025th token, so one of them must be preempted.
-TINY_KV = ("--num-gpu-blocks-override", "7", "--max-model-len", "2304", "--max-num-seqs", "8")
+# 7 blocks of 512 tokens (block 0 is vLLM's null block): four 1020-token prompts prefilled
+# in one step take 2 pages each (three fit) and need a third at their 1025th token, so a
+# running request must be preempted.
+TINY_KV = ("--num-gpu-blocks-override", "7", "--max-model-len", "2304")
+PREEMPT_PROMPTS = 4
 PREEMPT_LENGTH = 1020
 PREFIX_HIT = "vllm:prefix_cache_hits_total"
 PREEMPTIONS = "vllm:num_preemptions_total"
@@ -68,7 +71,7 @@ class Served:
 def _all_prompts(run: Served) -> dict[str, list[int]]:
     named = {str(n): ids for n, ids in run.prompts.items()}
     named["shared_prefix"] = run.shared_prefix
-    for i in range(3):
+    for i in range(PREEMPT_PROMPTS):
         named[f"preempt{i}"] = prompt(PREEMPT_LENGTH, seed=10 + i)
     return named
 
@@ -120,22 +123,22 @@ def served(tiny_model) -> Served:
     # overlay (QSA_E2E_OVERLAY=1); this restarted server then loads no plugin, so the overlay
     # alone must provide the same model.
     overlay_only = {"VLLM_PLUGINS": ""} if os.environ.get("QSA_E2E_OVERLAY") == "1" else {}
-    eager_args = [*ONE_SHOT, "--no-enable-prefix-caching"]
+    eager_args = [*ONE_SHOT, "--no-enable-prefix-caching", *TINY_KV]
     with QSAServer(
         tiny_model, eager=True, timeout=SERVER_TIMEOUT, env=overlay_only, extra_args=eager_args
     ) as url:
         run.eager = {name: greedy(url, ids) for name, ids in named.items()}
-    # C: eager, forced chunked prefill, tiny KV space
-    chunked_args = ["--max-num-batched-tokens", str(CHUNK), *TINY_KV]
-    with QSAServer(tiny_model, eager=True, timeout=SERVER_TIMEOUT, extra_args=chunked_args) as url:
-        run.chunked = {str(n): greedy(url, ids) for n, ids in run.prompts.items()}
         preempted = metric(url, PREEMPTIONS)
-        names = [f"preempt{i}" for i in range(3)]
+        names = [f"preempt{i}" for i in range(PREEMPT_PROMPTS)]
         answers = greedy_concurrently(url, [named[n] for n in names])
         run.preempt = {
             "answers": dict(zip(names, answers, strict=True)),
             "preemptions": metric(url, PREEMPTIONS) - preempted,
         }
+    # C: eager, forced chunked prefill
+    chunked_args = ["--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "8"]
+    with QSAServer(tiny_model, eager=True, timeout=SERVER_TIMEOUT, extra_args=chunked_args) as url:
+        run.chunked = {str(n): greedy(url, ids) for n, ids in run.prompts.items()}
     return run
 
 
@@ -152,7 +155,7 @@ def test_compiled_equals_eager(served):
 
 
 def test_chunked_prefill_equals_one_shot(served):
-    """C (64-token prefill chunks, tiny KV space) == B (one-shot prefill)."""
+    """C (64-token prefill chunks) == B (one-shot prefill)."""
     for name, ids in served.chunked.items():
         assert ids == served.eager[name], f"prompt of {name} tokens: chunked != one-shot"
     assert any(int(name) > CHUNK for name in served.chunked)
@@ -227,10 +230,19 @@ def test_tensor_parallel_2_matches_references(tiny_model_tp2):
         extra_args=["--tensor-parallel-size", "2"],
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per rank
     )
-    with server as url:
-        got = {n: greedy(url, ids) for n, ids in prompts.items()}
+    got: dict[int, list[int]] = {}
+    shutdown_error = None
+    try:
+        with server as url:
+            got = {n: greedy(url, ids) for n, ids in prompts.items()}
+    except VLLMServerError as exc:  # an unclean shutdown: still check the answers first
+        if len(got) != len(prompts):
+            raise
+        shutdown_error = exc
     dense = DenseReference(tiny_model_tp2)
     for length, ids in prompts.items():
         assert got[length] == dense.generate(ids, len(got[length])), f"TP=2, {length} tokens"
     qsa = QSAReferenceModel(tiny_model_tp2)
     assert got[61] == qsa.generate(prompts[61], len(got[61]))
+    if shutdown_error is not None:
+        raise shutdown_error
