@@ -26,6 +26,10 @@ CONTRACT_MACROS: dict[str, int] = {
 }
 
 
+# The oldest torch the compiled library loads into: 2.11 (major << 56 | minor << 48).
+TORCH_TARGET_VERSION = (2 << 56) | (11 << 48)
+
+
 @dataclass(frozen=True)
 class Target:
     name: str
@@ -33,6 +37,7 @@ class Target:
     arch_flags: tuple[str, ...]
     flags: tuple[str, ...]
     link_flags: tuple[str, ...] = ()
+    torch_flags: tuple[str, ...] = ()  # for the op-layer source that includes torch's headers
     macros: dict[str, int] = field(default_factory=lambda: dict(CONTRACT_MACROS))
     container_image: str = ""  # docker/ recipe that builds this target
     description: str = ""
@@ -61,6 +66,9 @@ TARGETS: dict[str, Target] = {
         # file symbol; dropping the static symbol table (.dynsym stays) makes builds
         # byte-identical.
         link_flags=("-Xlinker=--strip-all",),
+        # NOTES: the op layer uses the LibTorch stable ABI as of torch 2.11: built against any
+        # newer torch's headers, the one binary loads into torch 2.11 (the GPU hosts) and 2.13.
+        torch_flags=("-DUSE_CUDA", f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION:#018x}"),
         container_image="qsa-build-cuda",
         description="NVIDIA Hopper (H100/H200), CUDA C++ kernels",
     ),

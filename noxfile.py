@@ -309,7 +309,7 @@ def toolchain_versions(session: nox.Session, target: build_targets.Target) -> di
         "host_compiler": provenance_module().tool_version(["g++", "--version"]),
         "python": py("import platform; print(platform.python_version())"),
     }
-    for dist in ("pybind11", "setuptools"):
+    for dist in ("torch", "setuptools"):
         versions[dist] = py(f"import importlib.metadata as m; print(m.version({dist!r}))")
     return versions
 
@@ -319,9 +319,9 @@ def diff_keys(a: dict, b: dict) -> list[str]:
 
 
 def built_dso() -> Path:
-    found = sorted((ROOT / PACKAGE).glob("_qsa_cuda*.so"))
+    found = sorted((ROOT / PACKAGE).glob("_C.so"))
     if len(found) != 1:
-        raise RuntimeError(f"expected one {PACKAGE}/_qsa_cuda*.so after the build, found {found}")
+        raise RuntimeError(f"expected one {PACKAGE}/_C.so after the build, found {found}")
     return found[0]
 
 
@@ -336,7 +336,7 @@ def build_native(session: nox.Session, target: build_targets.Target) -> None:
 
     # A clean build every time: stale objects must never reach a wheel.
     shutil.rmtree(ROOT / "build", ignore_errors=True)
-    for old in (ROOT / PACKAGE).glob("_qsa_cuda*.so"):
+    for old in (ROOT / PACKAGE).glob("_C.so"):
         old.unlink()
     IN_PACKAGE_PROVENANCE.unlink(missing_ok=True)
     session.log(f"compiling {target.name} with {target.toolchain} (about a minute on 2 cores) ...")
@@ -458,12 +458,12 @@ def build_in_container(session: nox.Session, target: build_targets.Target) -> No
     log = LOGS_DIR / f"build-container-{target.name}.log"
     command = (
         f"nox --no-venv -s build -- --target {target.name}"
-        f" && cp dist/provenance.json {PACKAGE}/_qsa_cuda*.so /out/"
+        f" && cp dist/provenance.json {PACKAGE}/_C.so /out/"
     )
     run_in_image(
         session, target.container_image, command, {src: str(ROOT), out: "/out"}, str(ROOT), log
     )
-    inside_dso = next(out.glob("_qsa_cuda*.so"))
+    inside_dso = next(out.glob("_C.so"))
     inside = json.loads((out / "provenance.json").read_text())
     inside["git"] = {**native["git"], "note": "exported from the host checkout"}
     inside["build"]["container"] = {"image": target.container_image, "image_id": image_id}

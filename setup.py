@@ -1,10 +1,16 @@
-"""Package build: compiles csrc/ into custom_esimd_kernels_vllm._qsa_cuda when nvcc is on PATH.
+"""Package build: compiles csrc/ into custom_esimd_kernels_vllm/_C.so when nvcc is on PATH.
+
+``_C.so`` is a LibTorch stable-ABI library (csrc/torch_ops.cpp + the kernels), loaded with
+``torch.ops.load_library``: no CPython extension, so the wheel is ``py3-none`` and one binary
+serves every Python 3 and torch >= the target version in build_targets.py. It is compiled
+against the headers of the torch installed in the build environment and links
+``libtorch_cpu`` (for the stable C shim) and the CUDA runtime statically.
 
 Flags and contract macros come from build_targets.py (target ``cuda-sm90``) and nowhere else;
 this file adds only include directories and three build-info strings (arch, version, source
-SHA256) that bindings.cpp reports through build_info().
+SHA256) that torch_ops.cpp reports through ``qsa_build_info_json()``.
 
-* No nvcc (or ``QSA_SKIP_CUDA_BUILD=1``): the package installs without the compiled module
+* No nvcc (or ``QSA_SKIP_CUDA_BUILD=1``): the package installs without the compiled library
   and says once that the PyTorch reference backend will be used.
 * Reproducible: nvcc runs in the repository root on relative paths, with no timestamps or
   absolute paths in the flags, so two clean builds give the same DSO bytes.
@@ -21,7 +27,6 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,10 +38,15 @@ sys.path.insert(0, str(ROOT))
 from build_targets import TARGETS  # noqa: E402
 
 TARGET = TARGETS["cuda-sm90"]
-EXT_NAME = "custom_esimd_kernels_vllm._qsa_cuda"
+EXT_NAME = "custom_esimd_kernels_vllm._C"
+LIBRARY = "custom_esimd_kernels_vllm/_C.so"
 CSRC = "csrc"
-KERNEL_SOURCES = ("csrc/qsa/select_paged_tokens.cu", "csrc/qsa/sparse_paged_attention.cu")
-BINDINGS = "csrc/bindings.cpp"
+KERNEL_SOURCES = (
+    "csrc/qsa/select_paged_tokens.cu",
+    "csrc/qsa/sparse_paged_attention.cu",
+    "csrc/qsa/update_caches.cu",
+)
+BINDINGS = "csrc/torch_ops.cpp"
 SKIP_ENV = "QSA_SKIP_CUDA_BUILD"
 
 
@@ -81,24 +91,39 @@ def cuda_build_disabled() -> str:
     return ""
 
 
+def torch_dirs() -> tuple[str, str]:
+    """(include dir, lib dir) of the torch in this build environment (headers + libtorch_cpu)."""
+    import torch.utils.cpp_extension as ext
+
+    return ext.include_paths()[0], ext.library_paths()[0]
+
+
 class BuildQsaCuda(build_ext):
-    """Builds the torch-free module with nvcc directly (no torch.utils.cpp_extension)."""
+    """Builds the stable-ABI library with nvcc directly (no torch.utils.cpp_extension build)."""
+
+    def get_ext_filename(self, ext_name: str) -> str:
+        # NOTES: a plain shared library, not a CPython module: no ABI suffix in its name.
+        return ext_name.replace(".", os.sep) + ".so"
 
     def build_extension(self, ext: Extension) -> None:
-        import pybind11
-
         out = Path(self.get_ext_fullpath(ext.name)).resolve()
         tmp = Path(self.build_temp).resolve() / "qsa_cuda"
         tmp.mkdir(parents=True, exist_ok=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         nvcc = TARGET.toolchain
+        torch_include, torch_lib = torch_dirs()
         common = [
             *TARGET.arch_flags,
             *TARGET.flags,
             *TARGET.macro_flags(),
             f"-I{CSRC}",
-            f"-I{pybind11.get_include()}",
-            f"-I{sysconfig.get_paths()['include']}",
+        ]
+        torch_flags = [
+            f"-isystem={torch_include}",
+            # NOTES: torch's headers expand __FILE__ in their checks: map the build
+            # environment's path away so that the bytes do not depend on where torch lives.
+            f"-Xcompiler=-fmacro-prefix-map={torch_include}=torch/include",
+            *TARGET.torch_flags,
         ]
         info = [
             f'-DQSA_ARCH="{target_arch()}"',
@@ -108,22 +133,48 @@ class BuildQsaCuda(build_ext):
         jobs = []
         for src in (*KERNEL_SOURCES, BINDINGS):
             obj = str(tmp / (Path(src).name + ".o"))
-            extra = info if src == BINDINGS else []
+            extra = [*torch_flags, *info] if src == BINDINGS else []
             jobs.append(([nvcc, *common, *extra, "-c", src, "-o", obj], obj))
         # The translation units are independent: compile them in parallel.
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
             list(pool.map(self._run, [cmd for cmd, _ in jobs]))
         objects = [obj for _, obj in jobs]
-        # NOTES: nvcc links the CUDA runtime statically (its default), so the module depends
-        # on the driver only and works next to any torch build of the same major CUDA.
+        # NOTES: nvcc links the CUDA runtime statically (its default), so the library depends on
+        # the driver and libtorch_cpu only; libtorch_cpu is named without a path (torch has
+        # loaded it already when torch.ops.load_library opens this file).
         self._run(
-            [nvcc, *TARGET.arch_flags, "-shared", *TARGET.link_flags, *objects, "-o", str(out)]
+            [
+                nvcc,
+                *TARGET.arch_flags,
+                "-shared",
+                *TARGET.link_flags,
+                *objects,
+                f"-L{torch_lib}",
+                "-ltorch_cpu",
+                "-o",
+                str(out),
+            ]  # fmt: skip
         )
 
     @staticmethod
     def _run(cmd: list[str]) -> None:
         print(" ".join(cmd), flush=True)
         subprocess.run(cmd, cwd=ROOT, check=True)
+
+
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # older setuptools
+    from wheel.bdist_wheel import bdist_wheel
+
+
+class BdistWheelPy3(bdist_wheel):
+    """Tag py3-none-<platform>: the library holds no CPython symbol, so one wheel serves every
+    Python 3 the package supports (it still needs Linux x86-64, the CUDA driver and torch)."""
+
+    def get_tag(self) -> tuple[str, str, str]:
+        _, _, plat = super().get_tag()
+        return "py3", "none", plat
 
 
 def main() -> None:
@@ -136,7 +187,10 @@ def main() -> None:
         ext_modules = []
     else:
         ext_modules = [Extension(EXT_NAME, sources=[*KERNEL_SOURCES, BINDINGS])]
-    setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildQsaCuda})
+    setup(
+        ext_modules=ext_modules,
+        cmdclass={"build_ext": BuildQsaCuda, "bdist_wheel": BdistWheelPy3},
+    )
 
 
 if __name__ == "__main__":  # also true under pip / setuptools.build_meta

@@ -23,7 +23,7 @@ fail() { echo "!! $*"; status=1; }
 
 build() {
   step "build (nvcc $(nvcc --version | tail -n 1))"
-  rm -rf build custom_esimd_kernels_vllm/_qsa_cuda*.so
+  rm -rf build custom_esimd_kernels_vllm/_C.so
   "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -n 40 "$OUT/build.log"; return 1; }
   "$PY" - <<'PY'
 from custom_esimd_kernels_vllm import qsa_ops

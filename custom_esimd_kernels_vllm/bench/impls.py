@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import qsa_ops
-from ..qsa_ops import dispatch, reference
+from ..qsa_ops import ops, reference
 from ..qsa_ops.contract import (
     ATTN_HEADS,
     CK_PAGE,
@@ -82,14 +82,8 @@ def kernel_status(device: torch.device) -> tuple[bool, str]:
     """(True, "") when the public ops run the compiled CUDA kernels on ``device``."""
     if device.type != "cuda":
         return False, "no CUDA device: the kernels run on CUDA tensors only"
-    try:
-        backend = dispatch.resolve_backend(device)
-    except (RuntimeError, ValueError) as exc:
-        return False, str(exc)
-    if backend != "cuda":
-        ok, reason = dispatch.cuda_status()
-        why = reason if not ok else f"{dispatch.ENV_VAR}={dispatch.requested_backend()}"
-        return False, f"the public ops resolve to the {backend} backend ({why})"
+    if ops.BACKEND != "cuda":
+        return False, f"CUDA tensors run on the {ops.BACKEND} backend ({ops.LIBRARY_ERROR})"
     return True, ""
 
 

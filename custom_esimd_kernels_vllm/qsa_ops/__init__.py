@@ -1,15 +1,17 @@
 """Public ABI of the QSA operators (positional order of the existing ``qsa_ops`` ABI).
 
-Both operators validate every argument first (``qsa_ops.contract``; TypeError/ValueError,
-nothing written on refusal), then run the ``torch.ops.qsa`` custom op, which picks the
-backend (``qsa_ops.dispatch``; env ``QSA_BACKEND``), and return the caller's ``out``.
+Each function calls its ``torch.ops.qsa`` operator (``qsa_ops.ops``: one schema per operator,
+the backend chosen once at import) and returns the caller's ``out``. The operator validates
+every argument before anything runs (C++ for CUDA tensors, ``qsa_ops.contract`` otherwise);
+a refusal is a TypeError/ValueError naming the argument, what was expected and what was given,
+and nothing is written.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import contract, dispatch, reference
+from . import contract, ops, reference
 from .contract import (
     ATTN_HEADS,
     BLOCK_TOPK,
@@ -38,19 +40,21 @@ __all__ = [
     "WIDTH",
     "build_info",
     "contract",
-    "dispatch",
+    "ops",
     "reference",
     "select_paged_tokens",
     "sparse_paged_attention",
+    "summary",
+    "update_caches",
 ]
 
+_select = torch.ops.qsa.select_paged_tokens.default
+_attention = torch.ops.qsa.sparse_paged_attention.default
+_update = torch.ops.qsa.update_caches.default
 
-def _validated_select(*args) -> None:
-    dispatch.validated_call(torch.ops.qsa.select_paged_tokens, *args)
 
-
-def _validated_attention(*args) -> None:
-    dispatch.validated_call(torch.ops.qsa.sparse_paged_attention, *args)
+def _is_int(value: object) -> bool:
+    return type(value) is int  # bool and other int look-alikes take contract.py's checks
 
 
 def select_paged_tokens(
@@ -65,31 +69,17 @@ def select_paged_tokens(
     out: torch.Tensor,  # [R, 2051] int32, fully overwritten
 ) -> torch.Tensor:
     """Select up to 2051 logical token positions per row (contract section 1); returns ``out``."""
-    compiling = torch.compiler.is_compiling()
-    contract.validate_select_args(
-        q,
-        compressed_key_cache,
-        page_table,
-        token_to_req,
-        query_positions,
-        sequence_lengths,
-        token_topk,
-        compress_ratio,
-        out,
-        check_storage=not compiling,
-    )
-    call = torch.ops.qsa.select_paged_tokens if compiling else _validated_select
-    call(
-        q,
-        compressed_key_cache,
-        page_table,
-        token_to_req,
-        query_positions,
-        sequence_lengths,
-        token_topk,
-        compress_ratio,
-        out,
-    )
+    args = (q, compressed_key_cache, page_table, token_to_req, query_positions,
+            sequence_lengths, token_topk, compress_ratio, out)  # fmt: skip
+    if torch.compiler.is_compiling():
+        _select(*args)
+        return out
+    if not (_is_int(token_topk) and _is_int(compress_ratio)):
+        contract.validate_select_args(*args)  # types the schema would coerce (bool -> int)
+    try:
+        _select(*args)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        ops.raise_refusal(exc, "select_paged_tokens", args)
     return out
 
 
@@ -105,46 +95,110 @@ def sparse_paged_attention(
     softmax_scale: float | None = None,  # default 1/sqrt(256)
 ) -> torch.Tensor:
     """Sparse attention over the listed tokens (contract section 2); returns ``out``."""
-    compiling = torch.compiler.is_compiling()
-    scale = contract.validate_attention_args(
-        q,
-        k_cache,
-        v_cache,
-        logical_indices,
-        page_table,
-        token_to_req,
-        page_size,
-        out,
-        softmax_scale,
-        check_storage=not compiling,
-    )
-    call = torch.ops.qsa.sparse_paged_attention if compiling else _validated_attention
-    kv = contract.packed_kv_buffer(k_cache)
-    call(q, kv, logical_indices, page_table, token_to_req, page_size, out, scale)
+    args = (q, k_cache, v_cache, logical_indices, page_table, token_to_req, page_size, out,
+            softmax_scale)  # fmt: skip
+    if torch.compiler.is_compiling():  # traced once: check what metadata shows, then the op
+        contract.validate_attention_args(*args, check_storage=False)
+        kv = contract.packed_kv_buffer(k_cache)
+        _attention(q, kv, logical_indices, page_table, token_to_req, page_size, out, softmax_scale)
+        return out
+    if not (
+        _is_int(page_size)
+        and (softmax_scale is None or type(softmax_scale) is float)
+        and _packed_pair(k_cache, v_cache)
+    ):
+        contract.validate_attention_args(*args)  # raises with the contract's ordered message
+    kv = k_cache.as_strided((k_cache.shape[0], KV_PAGE, _TOKEN), _PACKED_STRIDES)
+    try:
+        _attention(q, kv, logical_indices, page_table, token_to_req, page_size, out, softmax_scale)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        ops.raise_refusal(exc, "sparse_paged_attention", args)
     return out
 
 
+def update_caches(
+    key: torch.Tensor,  # [T, 256] float16
+    value: torch.Tensor,  # [T, 256] float16
+    slot_mapping: torch.Tensor,  # [T] int64: page * 512 + offset, -1 = padded row
+    compressed_slot_mapping: torch.Tensor,  # [T] int64: page * 128 + j, -1 = none
+    index_wk: torch.Tensor,  # [128, 256] float32
+    kv_cache: torch.Tensor,  # [P, 512, 512] float16 exact-packed, written
+    compressed_key_cache: torch.Tensor,  # [Q, 128, 1, 128] float16, written
+) -> None:
+    """Write the step's K/V at their slots, then refresh the compressed key of every row with
+    a compressed slot from the 4 cached keys of its block (contract section "update_caches")."""
+    args = (key, value, slot_mapping, compressed_slot_mapping, index_wk, kv_cache,
+            compressed_key_cache)  # fmt: skip
+    if torch.compiler.is_compiling():
+        _update(*args)
+        return
+    try:
+        _update(*args)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        ops.raise_refusal(exc, "update_caches", args)
+
+
+_TOKEN = contract.PACKED_TOKEN_STRIDE
+_PACKED_STRIDES = contract.PACKED_KV_STRIDES
+_KV_STRIDES = contract.KV_STRIDES
+_KV_SHAPE = (KV_PAGE, 1, HEAD_DIM)
+
+
+def _packed_pair(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when (k, v) are the two views of one exact-packed buffer that holds every page:
+    then the buffer the operator takes is ``k.as_strided(...)``, and the operator's own checks
+    cover the rest. Anything else returns False and contract.py words the refusal."""
+    try:
+        return (
+            k.stride() == _KV_STRIDES
+            and v.stride() == _KV_STRIDES
+            and k.shape[1:] == _KV_SHAPE
+            and v.shape == k.shape
+            and k.dtype is torch.float16
+            and v.dtype is torch.float16
+            and v.device == k.device
+            and v.storage_offset() == k.storage_offset() + HEAD_DIM
+            and v.data_ptr() - k.data_ptr() == 2 * HEAD_DIM
+            and k.untyped_storage().nbytes()
+            >= 2 * (k.storage_offset() + k.shape[0] * _KV_STRIDES[0])
+        )
+    except (AttributeError, IndexError, TypeError):
+        return False
+
+
 def build_info() -> dict:
-    """What runs: package version, backend choice, contract constants, the compiled
-    module's own build_info() (arch, macros, version, source SHA256) when it loads, and the
-    provenance summary (shipped manifest, loaded DSO SHA256, whether they match)."""
+    """What runs: package version, torch, the backend chosen for CUDA tensors (and why), the
+    contract constants, the compiled library's own build facts when it is loaded, and the
+    provenance summary (shipped manifest, loaded library SHA256, whether they match)."""
     from .. import __version__
     from . import provenance
 
-    cuda_ok, cuda_reason = dispatch.cuda_status()
-    info: dict = {
+    return {
         "version": __version__,
         "torch": torch.__version__,
-        "backend_env": dispatch.requested_backend(),
-        "backends": list(dispatch.BACKENDS),
+        "backend_env": ops.REQUESTED,
+        "cuda_backend": ops.BACKEND,
+        "library_error": ops.LIBRARY_ERROR,
         "contract": dict(contract.CONSTANTS),
-        "cuda_available": cuda_ok,
-        "cuda_reason": cuda_reason,
-        "cuda_build": None,
+        "library": ops.library_info() if ops.BACKEND == "cuda" else None,
         "provenance": provenance.summary(),
     }
-    if cuda_ok:
-        from . import _cuda  # the only module that talks to the compiled _qsa_cuda
 
-        info["cuda_build"] = _cuda.build_info()
-    return info
+
+def summary() -> str:
+    """A few readable lines: which backend runs CUDA tensors, and the library's SHA256."""
+    info = build_info()
+    lines = [
+        f"custom_esimd_kernels_vllm {info['version']} (torch {info['torch']})",
+        "CPU tensors:  PyTorch reference (qsa_ops.reference)",
+    ]
+    if info["cuda_backend"] == "cuda":
+        lib = info["library"]
+        lines.append(f"CUDA tensors: compiled kernels for {lib['arch']} ({ops.LIBRARY_PATH.name})")
+        lines.append(f"  source sha256  {lib['source_sha256']}")
+    else:
+        lines.append(f"CUDA tensors: {info['cuda_backend']} ({info['library_error']})")
+    dso = info["provenance"].get("dso")
+    if dso:
+        lines.append(f"  library sha256 {dso['sha256']}")
+    return "\n".join(lines)

@@ -251,9 +251,10 @@ PACKED_KV_STRIDES = (KV_STRIDES[0], PACKED_TOKEN_STRIDE, 1)  # (262144, 512, 1)
 
 def packed_kv_buffer(k_cache: torch.Tensor) -> torch.Tensor:
     """The [P, 512, 512] exact-packed buffer that a validated k_cache views (same storage
-    offset). NOTES: the custom op takes this one tensor instead of the two aliasing views,
-    because an op schema cannot state that two arguments alias: opcheck, AOTAutograd and
-    functionalization would clone them apart."""
+    offset). NOTES: the operator's schema takes this one tensor instead of the two aliasing
+    views, because a schema cannot state that two arguments alias: opcheck clones every input
+    on its own (measured: the clone of v_cache then has storage offset 0) and so would any
+    tool that copies arguments apart."""
     return k_cache.as_strided((k_cache.shape[0], KV_PAGE, PACKED_TOKEN_STRIDE), PACKED_KV_STRIDES)
 
 

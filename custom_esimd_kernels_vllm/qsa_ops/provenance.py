@@ -9,7 +9,7 @@ At run time this module answers one question: *is the DSO this process loaded th
 manifest describes?* ::
 
     from custom_esimd_kernels_vllm.qsa_ops import provenance
-    provenance.loaded_dso()      # {"path": ..., "sha256": ...} of the imported _qsa_cuda file
+    provenance.loaded_dso()      # {"path": ..., "sha256": ...} of the loaded _C.so
     provenance.read_manifest()   # the shipped manifest, or None in a source checkout
     provenance.check()           # raises ProvenanceError on any mismatch
 
@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 PACKAGE = "custom_esimd_kernels_vllm"
-DSO_MODULE = f"{PACKAGE}._qsa_cuda"
+DSO_NAME = "_C.so"  # the compiled library (qsa_ops/ops.py loads it with torch.ops.load_library)
+OPS_MODULE = f"{PACKAGE}.qsa_ops.ops"
 MANIFEST_NAME = "provenance.json"
 SCHEMA = 1
 
@@ -70,14 +71,16 @@ def read_manifest() -> dict[str, Any] | None:
 
 
 def loaded_dso() -> dict[str, Any]:
-    """Path and SHA256 of the compiled module file this process imports.
+    """Path and SHA256 of the compiled library this process loaded.
 
-    Raises ImportError (with the loader's reason) when the module cannot be imported; the DSO is
-    torch-free and links the CUDA runtime statically, so importing it needs no GPU.
+    Raises ImportError (with the loader's reason) when it is not loaded; the library links the
+    CUDA runtime statically and needs only torch's own libraries, so loading it needs no GPU.
     """
-    module = sys.modules.get(DSO_MODULE) or importlib.import_module(DSO_MODULE)
-    path = Path(module.__file__).resolve()
-    return {"module": DSO_MODULE, "path": str(path), "sha256": sha256_file(path)}
+    ops = sys.modules.get(OPS_MODULE) or importlib.import_module(OPS_MODULE)
+    if ops.BACKEND != "cuda":
+        raise ImportError(f"the compiled library is not loaded: {ops.LIBRARY_ERROR}")
+    path = ops.LIBRARY_PATH.resolve()
+    return {"library": DSO_NAME, "path": str(path), "sha256": sha256_file(path)}
 
 
 def check() -> dict[str, Any]:

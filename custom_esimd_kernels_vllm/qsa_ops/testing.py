@@ -758,6 +758,90 @@ def check_attention(
 
 
 # ----------------------------------------------------------------------------------------
+# refusal corpus: arguments outside the contract, one change at a time (tests of the
+# validators and of their C++ twin; hypothesis combines several)
+# ----------------------------------------------------------------------------------------
+
+_OTHER_DTYPES = (torch.float32, torch.int32, torch.int64, torch.bfloat16, torch.uint8, torch.bool)
+
+
+def _reshaped(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    return torch.zeros(tuple(shape), dtype=t.dtype, device=t.device)
+
+
+def _strided_like(t: torch.Tensor) -> torch.Tensor:
+    """Same shape, dtype and device, not contiguous (every other element of a wider tensor)."""
+    return torch.zeros((*t.shape, 2), dtype=t.dtype, device=t.device)[..., 0]
+
+
+def _sharing_storage(t: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t', other') equal to (t, other) but laid out in one byte buffer so that they overlap."""
+    nbytes = max(t.numel() * t.element_size(), other.numel() * other.element_size(), 4)
+    buf = torch.zeros(nbytes + 64, dtype=torch.uint8, device=t.device)
+
+    def view(x: torch.Tensor) -> torch.Tensor:
+        n = x.numel() * x.element_size()
+        return buf[:n].view(x.dtype).view(x.shape).copy_(x)
+
+    return view(t), view(other)
+
+
+def refusal_mutations(
+    args: Sequence,
+    names: Sequence[str],
+    shapes: dict[str, tuple],
+    outputs: Sequence[str] = ("out",),
+):
+    """``(label, index, new_value)`` changes of positional ``args`` (argument names ``names``;
+    ``shapes[name]`` the contract's shape pattern of each tensor argument, symbols as str), each
+    of which puts one argument outside the contract. ``outputs`` names the written tensors
+    ("out" for the selection and the attention; each must not overlap an input or another)."""
+    changes = []
+    out_index = names.index(outputs[0])
+    for i, (name, value) in enumerate(zip(names, args, strict=True)):
+        if not isinstance(value, torch.Tensor):
+            continue
+        for dtype in _OTHER_DTYPES:
+            if dtype != value.dtype:
+                changes.append((f"{name}: dtype {dtype}", i, value.to(dtype)))
+                break
+        changes.append((f"{name}: bfloat16", i, value.to(torch.bfloat16)))
+        changes.append((f"{name}: extra dim", i, value.unsqueeze(0)))
+        if value.dim() > 1:
+            changes.append((f"{name}: flattened", i, value.reshape(-1)))
+        if value.dim() > 0:
+            changes.append((f"{name}: not contiguous", i, _strided_like(value)))
+        for dim, size in enumerate(shapes.get(name, ())):
+            shape = list(value.shape)
+            shape[dim] += 1
+            kind = "symbolic" if isinstance(size, str) else "fixed"
+            changes.append((f"{name}: {kind} size {dim} + 1", i, _reshaped(value, shape)))
+        changes.append((f"{name}: on meta", i, value.to("meta")))
+        if len(outputs) == 1 and i != out_index and value.numel() and args[out_index].numel():
+            inp, out = _sharing_storage(value, args[out_index])
+            changes.append((f"out overlaps {name}", (i, out_index), (inp, out)))
+    if len(outputs) > 1:  # every output against every tensor before it (inputs, outputs)
+        for o in outputs:
+            j = names.index(o)
+            for i, (name, value) in enumerate(zip(names[:j], args[:j], strict=True)):
+                if isinstance(value, torch.Tensor) and value.numel() and args[j].numel():
+                    inp, out = _sharing_storage(value, args[j])
+                    changes.append((f"{o} overlaps {name}", (i, j), (inp, out)))
+    return changes
+
+
+def apply_mutation(args: Sequence, index, value) -> list:
+    """``args`` with one change of refusal_mutations applied."""
+    new = list(args)
+    if isinstance(index, tuple):
+        for j, v in zip(index, value, strict=True):
+            new[j] = v
+    else:
+        new[index] = value
+    return new
+
+
+# ----------------------------------------------------------------------------------------
 # update_caches: cases and the independent rule (docs/contract.md, section "update_caches")
 # ----------------------------------------------------------------------------------------
 

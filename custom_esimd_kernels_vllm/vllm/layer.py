@@ -29,7 +29,6 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from .. import qsa_ops
-from ..qsa_ops.cache_update import update_caches
 from ..qsa_ops.contract import (
     ATTN_HEADS,
     COMPRESS_RATIO,
@@ -154,7 +153,7 @@ class QSAAttention(nn.Module, AttentionLayerBase):
         if views is None or ck_cache is None:
             raise RuntimeError(f"QSA layer {self.layer_name} runs before vLLM bound its caches")
         n = md.num_actual_tokens  # host int: rows past it are padding of a piecewise graph
-        update_caches(
+        qsa_ops.update_caches(
             k[:n],
             v[:n],
             md.slot_mapping,

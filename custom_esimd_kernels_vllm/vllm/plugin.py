@@ -16,7 +16,6 @@ def register() -> None:
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     from .. import qsa_ops  # noqa: F401  registers torch.ops.qsa.* and their fake kernels
-    from ..qsa_ops import cache_update  # noqa: F401  torch.ops.qsa.update_caches (for now)
     from .config_hook import Qwen38QSAConfig
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():

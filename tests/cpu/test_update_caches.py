@@ -9,8 +9,7 @@ import re
 import pytest
 import torch
 
-from custom_esimd_kernels_vllm.qsa_ops import contract, reference, testing
-from custom_esimd_kernels_vllm.qsa_ops.cache_update import update_caches
+from custom_esimd_kernels_vllm.qsa_ops import contract, reference, testing, update_caches
 
 
 @pytest.mark.parametrize("T", [0, 1, 3, 8, 37, 260])
@@ -247,3 +246,8 @@ def test_fake_kernel_traces_under_compile():
 
     step(*run.args())
     testing.check_update(case, run.kv_cache, run.compressed_key_cache)
+
+
+def test_opcheck_cpu():
+    case = testing.make_update_case(10, seed=8)
+    torch.library.opcheck(torch.ops.qsa.update_caches.default, case.clone().args())

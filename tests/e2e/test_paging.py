@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from custom_esimd_kernels_vllm import qsa_ops
-from custom_esimd_kernels_vllm.qsa_ops.cache_update import update_caches
+from custom_esimd_kernels_vllm.qsa_ops import update_caches
 from custom_esimd_kernels_vllm.qsa_ops.contract import (
     CK_PAGE,
     COMPRESS_RATIO,

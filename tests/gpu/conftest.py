@@ -1,4 +1,4 @@
-"""Fixtures of the GPU suite: the CUDA backend forced on, cases built on the CUDA device.
+"""Fixtures of the GPU suite: the compiled CUDA backend required, cases built on the CUDA device.
 
 Tests here carry the ``gpu`` marker; tests/conftest.py skips them (with the reason) where
 torch sees no CUDA device. On a CUDA machine a missing or broken build is a failure, not a
@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from custom_esimd_kernels_vllm.qsa_ops import dispatch
+from custom_esimd_kernels_vllm.qsa_ops import ops
 
 
 @pytest.fixture
-def cuda_backend(monkeypatch):
-    """QSA_BACKEND=cuda for the test; fails when the compiled kernels cannot run."""
-    ok, reason = dispatch.cuda_status()
-    if not ok:
-        pytest.fail(f"a CUDA device is present but the CUDA backend cannot run: {reason}")
-    monkeypatch.setenv(dispatch.ENV_VAR, "cuda")
+def cuda_backend():
+    """The compiled kernels serve CUDA tensors (chosen at import); fails when they cannot."""
+    if ops.BACKEND != "cuda":
+        pytest.fail(
+            f"a CUDA device is present but the CUDA backend cannot run: {ops.LIBRARY_ERROR}"
+        )
     return "cuda"

@@ -7,7 +7,7 @@ import torch
 from gpu_helpers import DEVICE, assert_fully_written, reference_attention, row_subset
 
 from custom_esimd_kernels_vllm import qsa_ops
-from custom_esimd_kernels_vllm.qsa_ops import _cuda, testing
+from custom_esimd_kernels_vllm.qsa_ops import ops, testing
 
 pytestmark = pytest.mark.gpu
 
@@ -68,7 +68,7 @@ def test_random_bad_values(cuda_backend, R, lead):
 @pytest.mark.parametrize("R", [1, 5])
 def test_forced_splits(cuda_backend, monkeypatch, splits, R):
     """Every split count merges to the same function (the heuristic picks one of these)."""
-    monkeypatch.setenv(_cuda.SPLITS_ENV, str(splits))
+    monkeypatch.setenv(ops.SPLITS_ENV, str(splits))
     case = testing.random_attention_case(
         R, 2, 8, 12, device=DEVICE, seed=splits, valid_fraction=0.9
     )

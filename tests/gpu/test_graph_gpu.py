@@ -8,7 +8,7 @@ from gpu_helpers import DEVICE, reference_select
 from torch.profiler import ProfilerActivity, profile
 
 from custom_esimd_kernels_vllm import qsa_ops
-from custom_esimd_kernels_vllm.qsa_ops import _cuda, testing
+from custom_esimd_kernels_vllm.qsa_ops import ops, testing
 
 pytestmark = pytest.mark.gpu
 REPLAYS = 100
@@ -112,7 +112,7 @@ def _kernel_events(fn):
 def test_profile_select(cuda_backend, R, context):
     case = testing.scale_select_case(context, R, DEVICE, seed=1)
     kernels, copies = _kernel_events(lambda: qsa_ops.select_paged_tokens(*case.args()))
-    expected = _cuda.launch_counts(R, case.page_table.shape[1])["select_paged_tokens"]
+    expected = ops.launch_counts(R, case.page_table.shape[1])["select_paged_tokens"]
     assert len(kernels) == expected, f"{len(kernels)} kernels, stated {expected}: {kernels}"
     assert all("qsa" in k for k in kernels), kernels
     assert not copies, f"device-to-host copies: {copies}"
@@ -122,6 +122,6 @@ def test_profile_select(cuda_backend, R, context):
 def test_profile_attention(cuda_backend, R):
     case = _attention_case(R)
     kernels, copies = _kernel_events(lambda: qsa_ops.sparse_paged_attention(*case.args()))
-    assert len(kernels) == _cuda.launch_counts(R, 8)["sparse_paged_attention"] == 1, kernels
+    assert len(kernels) == ops.launch_counts(R, 8)["sparse_paged_attention"] == 1, kernels
     assert "attention_kernel" in kernels[0]
     assert not copies, f"device-to-host copies: {copies}"

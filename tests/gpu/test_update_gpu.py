@@ -8,25 +8,9 @@ import torch
 from gpu_helpers import DEVICE
 from torch.profiler import ProfilerActivity, profile
 
-from custom_esimd_kernels_vllm.qsa_ops import testing
-from custom_esimd_kernels_vllm.qsa_ops.cache_update import update_caches
+from custom_esimd_kernels_vllm.qsa_ops import ops, testing, update_caches
 
 pytestmark = pytest.mark.gpu
-KERNEL_MISSING = (
-    "qsa::update_caches has no CUDA kernel registered yet (the op layer wires "
-    "csrc/qsa/update_caches.cu)"
-)
-
-
-def _has_cuda_kernel() -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key("qsa::update_caches", "CUDA")
-
-
-@pytest.fixture
-def cuda_kernel(cuda_backend):
-    if not _has_cuda_kernel():
-        pytest.skip(KERNEL_MISSING)
-    return cuda_backend
 
 
 @pytest.mark.parametrize("T", [1, 8, 64, 300, 4099])
@@ -96,7 +80,7 @@ def test_chunking_invariance_on_gpu(cuda_backend):
         assert torch.equal(kv, results[0][0]) and torch.equal(ck, results[0][1])
 
 
-def test_update_graph_replay(cuda_kernel):
+def test_update_graph_replay(cuda_backend):
     case = testing.make_update_case(64, DEVICE, seed=5)
     expected = case.clone()
     update_caches(*expected.args())
@@ -117,7 +101,7 @@ def test_update_graph_replay(cuda_kernel):
         assert torch.equal(run.compressed_key_cache, expected.compressed_key_cache)
 
 
-def test_update_launch_count(cuda_kernel):
+def test_update_launch_count(cuda_backend):
     case = testing.make_update_case(64, DEVICE, seed=6)
     update_caches(*case.args())
     torch.cuda.synchronize()
@@ -125,4 +109,9 @@ def test_update_launch_count(cuda_kernel):
         update_caches(*case.args())
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    assert len(kernels) == 2, [e.name for e in kernels]
+    assert len(kernels) == ops.launch_counts(64, 1)["update_caches"] == 2, [e.name for e in kernels]
+
+
+def test_opcheck_update_cuda(cuda_backend):
+    case = testing.make_update_case(10, DEVICE, seed=8)
+    torch.library.opcheck(torch.ops.qsa.update_caches.default, case.args())

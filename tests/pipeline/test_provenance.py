@@ -15,14 +15,14 @@ from custom_esimd_kernels_vllm.qsa_ops import provenance
 
 @pytest.fixture
 def fake_install(tmp_path, monkeypatch):
-    """A package directory holding a fake DSO, registered as the imported _qsa_cuda module."""
+    """A package directory holding a fake library, registered as the one qsa_ops.ops loaded."""
     pkg = tmp_path / "custom_esimd_kernels_vllm"
     pkg.mkdir()
-    dso = pkg / "_qsa_cuda.cpython-311-x86_64-linux-gnu.so"
-    dso.write_bytes(b"\x7fELF fake module bytes")
-    module = types.ModuleType(provenance.DSO_MODULE)
-    module.__file__ = str(dso)
-    monkeypatch.setitem(sys.modules, provenance.DSO_MODULE, module)
+    dso = pkg / provenance.DSO_NAME
+    dso.write_bytes(b"\x7fELF fake library bytes")
+    module = types.ModuleType(provenance.OPS_MODULE)
+    module.BACKEND, module.LIBRARY_ERROR, module.LIBRARY_PATH = "cuda", "", dso
+    monkeypatch.setitem(sys.modules, provenance.OPS_MODULE, module)
     monkeypatch.setattr(provenance, "_PACKAGE_DIR", pkg)
     return tmp_path, dso
 
@@ -55,7 +55,7 @@ def test_manifest_records_the_dso_relative_to_the_root(fake_install):
     manifest = write_manifest(root, dso)
     assert manifest["schema"] == provenance.SCHEMA
     assert manifest["dso"] == {
-        "path": "custom_esimd_kernels_vllm/_qsa_cuda.cpython-311-x86_64-linux-gnu.so",
+        "path": "custom_esimd_kernels_vllm/_C.so",
         "sha256": hashlib.sha256(dso.read_bytes()).hexdigest(),
         "size": dso.stat().st_size,
     }
@@ -96,7 +96,7 @@ def test_check_refuses_a_missing_manifest(fake_install):
 
 def test_check_refuses_a_manifest_naming_another_file(fake_install):
     root, dso = fake_install
-    write_manifest(root, dso, path="custom_esimd_kernels_vllm/_qsa_cuda.other.so")
+    write_manifest(root, dso, path="custom_esimd_kernels_vllm/_C.other.so")
     with pytest.raises(provenance.ProvenanceError, match="is not the file the manifest names"):
         provenance.check()
 

@@ -1,0 +1,340 @@
+"""The ``torch.ops.qsa`` operators: schemas (defined once, here), their CPU and fake kernels,
+the compiled CUDA kernels, and the one choice of backend.
+
+* ``SCHEMAS`` holds each operator's signature. It is defined in two namespaces: ``qsa`` (the
+  operators) and ``qsa_check`` (validation only, for the parity test of the C++ checks).
+* CPU tensors: ``contract.py`` validates, ``reference.py`` computes (the executable spec).
+* Meta/fake tensors (``torch.compile``): ``contract.py`` checks what metadata can show
+  (everything but storage offsets and overlap) and nothing is computed.
+* CUDA tensors: the compiled library ``custom_esimd_kernels_vllm/_C.so`` (LibTorch stable ABI,
+  ``csrc/torch_ops.cpp``) validates everything in C++, with contract.py's exception classes
+  and messages, then launches the kernels.
+
+The backend for CUDA tensors is chosen once, at import, from ``QSA_BACKEND``:
+
+* ``auto`` (default): the compiled library when it loads, else the PyTorch reference with a
+  one-time warning on the first CUDA call;
+* ``reference``: the PyTorch reference for CUDA tensors too (the library is not loaded);
+* ``cuda``: the compiled library; a call on CPU tensors, or any call when the library cannot
+  load, raises RuntimeError with the reason.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+import re
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import contract, reference
+
+ENV_VAR = "QSA_BACKEND"
+CHOICES = ("auto", "reference", "cuda")
+LIBRARY_NAME = "_C.so"
+LIBRARY_PATH = Path(__file__).resolve().parent.parent / LIBRARY_NAME
+FALLBACK_WARNING = "custom_esimd_kernels_vllm: CUDA kernels not built; using the PyTorch reference"
+
+# NOTES: the signatures of the public functions in qsa_ops/__init__.py and of the C++ kernels in
+# csrc/torch_ops.cpp follow these; tests/cpu/test_ops.py checks both against this table.
+SCHEMAS: dict[str, str] = {
+    "select_paged_tokens": (
+        "(Tensor q, Tensor compressed_key_cache, Tensor page_table, Tensor token_to_req, "
+        "Tensor query_positions, Tensor sequence_lengths, int token_topk, int compress_ratio, "
+        "Tensor(a!) out) -> ()"
+    ),
+    # NOTES: takes the exact-packed [P, 512, 512] buffer, not the k_cache/v_cache views of the
+    # public function: see contract.packed_kv_buffer for why.
+    "sparse_paged_attention": (
+        "(Tensor q, Tensor kv, Tensor logical_indices, Tensor page_table, Tensor token_to_req, "
+        "int page_size, Tensor(a!) out, float? softmax_scale=None) -> ()"
+    ),
+    # NOTES: two outputs (the two caches); kv_cache is the exact-packed [P, 512, 512] buffer.
+    "update_caches": (
+        "(Tensor key, Tensor value, Tensor slot_mapping, Tensor compressed_slot_mapping, "
+        "Tensor index_wk, Tensor(a!) kv_cache, Tensor(b!) compressed_key_cache) -> ()"
+    ),
+}
+NAMESPACE = "qsa"
+CHECK_NAMESPACE = "qsa_check"
+# The public function takes the two views of the exact-packed buffer where the schema has one.
+PUBLIC_NAMES = {"kv": ("k_cache", "v_cache")}
+
+
+def schema_arguments(op: str) -> list[tuple[str, str]]:
+    """``(type, name)`` of each argument of ``SCHEMAS[op]``, in order."""
+    inner = SCHEMAS[op][1 : SCHEMAS[op].index(") ->")]
+    pairs = []
+    for item in inner.split(", "):
+        declaration = item.split("=")[0].strip()
+        type_, name = declaration.rsplit(" ", 1)
+        pairs.append((type_, name))
+    return pairs
+
+
+def public_arguments(op: str) -> tuple[str, ...]:
+    """Names of the public function's positional arguments, derived from the schema."""
+    names: list[str] = []
+    for _, name in schema_arguments(op):
+        names.extend(PUBLIC_NAMES.get(name, (name,)))
+    return tuple(names)
+
+
+def requested_backend() -> str:
+    """The value of QSA_BACKEND (default ``auto``); ValueError for anything else."""
+    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(
+            f"{ENV_VAR} must be one of {', '.join(CHOICES)}, got {os.environ.get(ENV_VAR)!r}"
+        )
+    return value
+
+
+# ----------------------------------------------------------------------------------------
+# validation + reference: the Python kernels
+# ----------------------------------------------------------------------------------------
+
+
+def check_select(q, ck, page_table, token_to_req, positions, lengths, topk, ratio, out,
+                 check_storage=True) -> None:  # fmt: skip
+    """contract.py's checks of the operator's arguments (the Python twin of the C++ checks)."""
+    contract.validate_select_args(
+        q, ck, page_table, token_to_req, positions, lengths, topk, ratio, out,
+        check_storage=check_storage,
+    )  # fmt: skip
+
+
+def check_attention(q, kv, indices, page_table, token_to_req, page_size, out, scale=None,
+                    check_storage=True) -> float:  # fmt: skip
+    """contract.py's checks of the operator's arguments, the exact-packed buffer first; the
+    resolved softmax scale."""
+    contract.validate_packed_kv(kv)
+    k, v = contract.kv_views(kv)
+    return contract.validate_attention_args(
+        q, k, v, indices, page_table, token_to_req, page_size, out, scale,
+        check_storage=check_storage,
+    )  # fmt: skip
+
+
+def check_update(key, value, slot_mapping, compressed_slot_mapping, index_wk, kv_cache,
+                 compressed_key_cache, check_storage=True) -> None:  # fmt: skip
+    """contract.py's checks of update_caches' arguments (the Python twin of the C++ checks)."""
+    contract.validate_update_args(
+        key, value, slot_mapping, compressed_slot_mapping, index_wk, kv_cache,
+        compressed_key_cache, check_storage=check_storage,
+    )  # fmt: skip
+
+
+def _update_reference(*args) -> None:
+    check_update(*args)
+    reference.update_caches_ref(*args)
+
+
+def _update_fake(*args) -> None:
+    check_update(*args, check_storage=False)
+
+
+def _select_reference(q, ck, page_table, token_to_req, positions, lengths, topk, ratio, out):
+    check_select(q, ck, page_table, token_to_req, positions, lengths, topk, ratio, out)
+    reference.select_paged_tokens_ref(q, ck, page_table, token_to_req, positions, lengths, out)
+
+
+def _attention_reference(q, kv, indices, page_table, token_to_req, page_size, out, scale=None):
+    scale = check_attention(q, kv, indices, page_table, token_to_req, page_size, out, scale)
+    k, v = contract.kv_views(kv)
+    reference.sparse_paged_attention_ref(q, k, v, indices, page_table, token_to_req, out, scale)
+
+
+def _select_fake(*args) -> None:
+    check_select(*args, check_storage=False)
+
+
+def _attention_fake(*args) -> None:
+    check_attention(*args, check_storage=False)
+
+
+REFERENCE_KERNELS = {
+    "select_paged_tokens": _select_reference,
+    "sparse_paged_attention": _attention_reference,
+    "update_caches": _update_reference,
+}
+FAKE_KERNELS = {
+    "select_paged_tokens": _select_fake,
+    "sparse_paged_attention": _attention_fake,
+    "update_caches": _update_fake,
+}
+CHECKS = {
+    "select_paged_tokens": check_select,
+    "sparse_paged_attention": check_attention,
+    "update_caches": check_update,
+}
+VALIDATORS = {  # the public functions' argument lists
+    "select_paged_tokens": contract.validate_select_args,
+    "sparse_paged_attention": contract.validate_attention_args,
+    "update_caches": contract.validate_update_args,
+}
+
+
+# ----------------------------------------------------------------------------------------
+# refusals raised in C++
+# ----------------------------------------------------------------------------------------
+
+_REFUSAL = re.compile(r"\[qsa:(TypeError|ValueError)\] ([^\n]*)")
+_ERROR_CLASSES = {"TypeError": TypeError, "ValueError": ValueError}
+
+
+def refusal_of(exc: BaseException) -> tuple[type[Exception], str] | None:
+    """(exception class, message) of a refusal raised by the C++ validation, else None."""
+    match = _REFUSAL.search(str(exc))
+    return (_ERROR_CLASSES[match[1]], match[2]) if match else None
+
+
+def raise_refusal(exc: BaseException, op: str, args: tuple) -> None:
+    """Re-raise an error of a ``torch.ops.qsa`` call as the contract words it: a C++ refusal as
+    its TypeError/ValueError; an argument the schema itself rejects (say, a list for a tensor)
+    through contract.py's ordered checks; anything else unchanged."""
+    refusal = refusal_of(exc)
+    if refusal is not None:
+        raise refusal[0](refusal[1]) from None
+    if not isinstance(exc, (TypeError, ValueError)):
+        VALIDATORS[op](*args)  # raises when an argument is outside the contract
+    raise exc
+
+
+# ----------------------------------------------------------------------------------------
+# registration (import time, once)
+# ----------------------------------------------------------------------------------------
+
+_libraries: list[torch.library.Library] = []
+
+
+def _define(namespace: str) -> torch.library.Library:
+    lib = torch.library.Library(namespace, "DEF")
+    for name, schema in SCHEMAS.items():
+        lib.define(name + schema)
+    _libraries.append(lib)
+    return lib
+
+
+def _load_library() -> str:
+    """Load the compiled library; "" on success, else why not."""
+    if not LIBRARY_PATH.is_file():
+        return f"{LIBRARY_NAME} not built (no {LIBRARY_PATH.name} next to the package)"
+    try:
+        torch.ops.load_library(str(LIBRARY_PATH))
+    except (OSError, RuntimeError) as exc:
+        return f"{LIBRARY_NAME} does not load: {exc}"
+    return ""
+
+
+def _register() -> tuple[str, str, str, dict]:
+    """Define the schemas and register the kernels: (backend for CUDA tensors, why the library
+    is not used, QSA_BACKEND, the Python kernels of the CUDA key (empty when C++ serves it))."""
+    requested = requested_backend()
+    qsa = _define(NAMESPACE)
+    _define(CHECK_NAMESPACE)
+    for name in SCHEMAS:
+        torch.library.register_fake(f"{NAMESPACE}::{name}", FAKE_KERNELS[name], lib=qsa)
+    if requested == "reference":
+        library_error = "not loaded (QSA_BACKEND=reference)"
+    else:
+        library_error = _load_library()
+    backend = "cuda" if not library_error else "reference" if requested != "cuda" else "none"
+    cuda_kernels = {}
+    for name, kernel in REFERENCE_KERNELS.items():
+        qsa.impl(name, _refuse_cpu(name) if requested == "cuda" else kernel, "CPU")
+        if backend == "reference":
+            cuda_kernels[name] = _warn_once(kernel) if requested == "auto" else kernel
+        elif backend == "none":
+            cuda_kernels[name] = _refuse_cuda(name, library_error)
+        if name in cuda_kernels:
+            qsa.impl(name, cuda_kernels[name], "CUDA")
+    return backend, library_error, requested, cuda_kernels
+
+
+def _refuse_cpu(name: str):
+    def kernel(q, *args):
+        raise RuntimeError(f"{ENV_VAR}=cuda needs CUDA tensors, got tensors on {q.device}")
+
+    kernel.__name__ = f"{name}_cpu_refused"
+    return kernel
+
+
+def _refuse_cuda(name: str, why: str):
+    def kernel(*args):
+        raise RuntimeError(f"{ENV_VAR}=cuda but the CUDA kernels cannot run: {why}")
+
+    kernel.__name__ = f"{name}_cuda_refused"
+    return kernel
+
+
+def _warn_once(kernel):
+    @functools.wraps(kernel)
+    def wrapper(*args):
+        _fallback_warning()
+        kernel(*args)
+
+    return wrapper
+
+
+@functools.cache
+def _fallback_warning() -> None:
+    warnings.warn(f"{FALLBACK_WARNING} ({LIBRARY_ERROR})", RuntimeWarning, stacklevel=2)
+
+
+BACKEND, LIBRARY_ERROR, REQUESTED, CUDA_KERNELS = _register()
+
+
+# ----------------------------------------------------------------------------------------
+# facts of the compiled library (plain C entry points, read with ctypes)
+# ----------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _clib() -> ctypes.CDLL:
+    if BACKEND != "cuda":
+        raise RuntimeError(f"the compiled library is not loaded: {LIBRARY_ERROR}")
+    lib = ctypes.CDLL(str(LIBRARY_PATH))  # the same handle torch.ops.load_library opened
+    lib.qsa_build_info_json.restype = ctypes.c_char_p
+    lib.qsa_attention_splits.restype = ctypes.c_int
+    lib.qsa_attention_splits.argtypes = (ctypes.c_int64, ctypes.c_int, ctypes.c_int)
+    lib.qsa_select_launch_count.restype = ctypes.c_int64
+    lib.qsa_select_launch_count.argtypes = (ctypes.c_int64, ctypes.c_int64)
+    lib.qsa_attention_launch_count.restype = ctypes.c_int64
+    lib.qsa_attention_launch_count.argtypes = (ctypes.c_int64,)
+    lib.qsa_update_launch_count.restype = ctypes.c_int64
+    lib.qsa_update_launch_count.argtypes = (ctypes.c_int64,)
+    return lib
+
+
+def library_info() -> dict:
+    """The compiled library's own build facts (arch, macros, version, source SHA256, CUDA
+    runtime, torch target version); RuntimeError when it is not loaded."""
+    info = json.loads(_clib().qsa_build_info_json().decode())
+    contract.check_macros(info["macros"])
+    return info
+
+
+SPLITS_ENV = "QSA_ATTN_SPLITS"  # read by the library at each call (tuning and tests only)
+
+
+def attention_splits(rows: int, device: int | None = None) -> int:
+    """CTAs that share one attention row for ``rows`` rows (QSA_ATTN_SPLITS overrides)."""
+    index = torch.cuda.current_device() if device is None else device
+    requested = int(os.environ.get(SPLITS_ENV, "0") or 0)
+    return int(_clib().qsa_attention_splits(rows, requested, index))
+
+
+def launch_counts(rows: int, table_width: int) -> dict[str, int]:
+    """Kernel launches one call makes: {"select_paged_tokens": n, "sparse_paged_attention": n,
+    "update_caches": n}."""
+    lib = _clib()
+    return {
+        "select_paged_tokens": int(lib.qsa_select_launch_count(rows, table_width)),
+        "sparse_paged_attention": int(lib.qsa_attention_launch_count(rows)),
+        "update_caches": int(lib.qsa_update_launch_count(rows)),
+    }
