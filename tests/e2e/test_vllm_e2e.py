@@ -202,6 +202,18 @@ def test_long_prompts_equal_qsa_reference(served, tiny_model):
         )
 
 
+def test_long_prompts_equal_independent_sparse_reference(served, tiny_model):
+    """The same answers from transformers' Qwen3 with QSA attention written from the docs
+    alone (tests/e2e/dense_reference.py shares no code with the integration)."""
+    from dense_reference import SparseReference
+
+    model = SparseReference(tiny_model)
+    for length in LONG:
+        expected = model.generate(served.prompts[length], len(served.first[length]))
+        assert model.last_row_tokens() == WIDTH  # the last row kept exactly 2051 tokens
+        assert served.first[length] == expected, f"prompt of {length} tokens differs"
+
+
 def test_malformed_requests_get_4xx(served):
     bad = {name: code for name, code in served.malformed.items() if not 400 <= code < 500}
     assert not bad, f"malformed requests not answered with 4xx: {bad}"
