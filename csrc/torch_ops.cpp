@@ -22,10 +22,13 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
+#include <array>
+#include <atomic>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -65,6 +68,12 @@ std::string fmt_tuple(const std::vector<std::string>& items) {
   std::string s = "(";
   for (size_t i = 0; i < items.size(); ++i) s += (i ? ", " : "") + items[i];
   return s + (items.size() == 1 ? ",)" : ")");
+}
+
+std::string fmt_ints(torch::headeronly::IntHeaderOnlyArrayRef values) {
+  std::vector<std::string> items;
+  for (int64_t v : values) items.push_back(std::to_string(v));
+  return fmt_tuple(items);
 }
 
 std::string fmt_hex(uint64_t v) {
@@ -162,37 +171,56 @@ std::string device_name(DeviceId d) {
 // What the checks read of a tensor. The exact-packed k_cache/v_cache views are not operator
 // arguments (the schema takes their [P, 512, 512] buffer: see contract.packed_kv_buffer) but the
 // contract words its checks on them, so their metadata is derived from the buffer.
+// NOTES: nothing here allocates unless a check fails (then the message is built): these checks
+// run on every call, and a heap allocation per tensor was a measurable part of the host cost.
+constexpr int kMaxDims = 8;  // the contract's tensors have rank <= 4; deeper ones are refused
+
 struct Meta {
   DeviceId device;
   ScalarType dtype;
-  std::vector<int64_t> sizes;
-  std::vector<int64_t> strides;
+  int64_t dim;
+  int64_t sizes[kMaxDims];
+  int64_t strides[kMaxDims];
   bool contiguous;
   uint64_t data;  // address of element 0
-  int64_t storage_offset;
   int64_t element_size;
   int64_t numel;
+  const Tensor* source;  // for messages about tensors deeper than kMaxDims (nullptr: derived)
 
   static Meta of(const Tensor& t) {
+    Meta m{device_of(t), t.scalar_type(), t.dim(), {}, {}, t.is_contiguous(),
+           reinterpret_cast<uint64_t>(t.data_ptr()), static_cast<int64_t>(t.element_size()),
+           t.numel(), &t};
     auto sz = t.sizes();
     auto st = t.strides();
-    return {device_of(t),
-            t.scalar_type(),
-            std::vector<int64_t>(sz.begin(), sz.end()),
-            std::vector<int64_t>(st.begin(), st.end()),
-            t.is_contiguous(),
-            reinterpret_cast<uint64_t>(t.data_ptr()),
-            t.storage_offset(),
-            static_cast<int64_t>(t.element_size()),
-            t.numel()};
+    for (int64_t i = 0; i < m.dim && i < kMaxDims; ++i) {
+      m.sizes[i] = sz[i];
+      m.strides[i] = st[i];
+    }
+    return m;
+  }
+  bool sizes_are(std::initializer_list<int64_t> want) const {
+    if (dim != static_cast<int64_t>(want.size())) return false;
+    int64_t i = 0;
+    for (int64_t w : want)
+      if (sizes[i++] != w) return false;
+    return true;
+  }
+  bool strides_are(const int64_t* want, int64_t n) const {
+    if (dim != n) return false;
+    for (int64_t i = 0; i < n; ++i)
+      if (strides[i] != want[i]) return false;
+    return true;
+  }
+  std::string fmt_sizes() const {
+    if (source && dim > kMaxDims) return fmt_ints(source->sizes());
+    return fmt_ints(torch::headeronly::IntHeaderOnlyArrayRef(sizes, dim));
+  }
+  std::string fmt_strides() const {
+    if (source && dim > kMaxDims) return fmt_ints(source->strides());
+    return fmt_ints(torch::headeronly::IntHeaderOnlyArrayRef(strides, dim));
   }
 };
-
-std::string fmt_ints(const std::vector<int64_t>& values) {
-  std::vector<std::string> items;
-  for (int64_t v : values) items.push_back(std::to_string(v));
-  return fmt_tuple(items);
-}
 
 // One entry of a shape pattern: a fixed size, or a symbol (R, P, B, M) taken from an argument.
 struct Dim {
@@ -202,11 +230,23 @@ struct Dim {
 constexpr Dim S(char c) { return {0, c}; }
 constexpr Dim F(int64_t n) { return {n, 0}; }
 
+// A shape pattern of rank <= 4 (copied out of its braced list, so it owns its entries).
+struct Shape {
+  Dim d[4] = {};
+  size_t rank = 0;
+  Shape(std::initializer_list<Dim> dims) {
+    for (const Dim& x : dims) d[rank++] = x;
+  }
+  const Dim* begin() const { return d; }
+  const Dim* end() const { return d + rank; }
+  size_t size() const { return rank; }
+};
+
 struct Arg {
   const char* name;
   Meta m;
   ScalarType dtype;
-  std::vector<Dim> shape;
+  Shape shape;
   bool packed;  // exact-packed K/V view: fixed strides instead of contiguity
 };
 
@@ -222,94 +262,104 @@ struct IntArg {
   int64_t expected;
 };
 
-std::string fmt_pattern(const std::vector<Dim>& p) {
+std::string fmt_pattern(const Shape& p) {
   std::vector<std::string> items;
   for (const Dim& d : p) items.push_back(d.sym ? std::string(1, d.sym) : std::to_string(d.size));
   return fmt_tuple(items);
 }
 
-const std::vector<int64_t> kKvStrides = {QSA_KV_PAGE * 2 * QSA_HEAD_DIM, 2 * QSA_HEAD_DIM,
-                                         QSA_HEAD_DIM, 1};
-const std::vector<int64_t> kPackedStrides = {QSA_KV_PAGE * 2 * QSA_HEAD_DIM, 2 * QSA_HEAD_DIM, 1};
+constexpr int64_t kKvStrides[4] = {QSA_KV_PAGE * 2 * QSA_HEAD_DIM, 2 * QSA_HEAD_DIM, QSA_HEAD_DIM,
+                                   1};
+constexpr int64_t kPackedStrides[3] = {QSA_KV_PAGE * 2 * QSA_HEAD_DIM, 2 * QSA_HEAD_DIM, 1};
 
-// [start, end) of the bytes a tensor can address; nullopt when empty.
-std::optional<std::pair<uint64_t, uint64_t>> byte_range(const Meta& m) {
-  if (m.numel == 0) return std::nullopt;
-  if (m.contiguous) return std::make_pair(m.data, m.data + m.numel * m.element_size);
+// [start, end) of the bytes a tensor can address; {0, 0} when empty.
+std::pair<uint64_t, uint64_t> byte_range(const Meta& m) {
+  if (m.numel == 0) return {0, 0};
+  if (m.contiguous) return {m.data, m.data + m.numel * m.element_size};
   int64_t span = 1;
-  for (size_t i = 0; i < m.sizes.size(); ++i) span += (m.sizes[i] - 1) * std::llabs(m.strides[i]);
-  return std::make_pair(m.data, m.data + span * m.element_size);
-}
-
-void check_devices(const std::vector<Arg>& args) {
-  const DeviceId first = args[0].m.device;
-  for (size_t i = 1; i < args.size(); ++i)
-    if (!(args[i].m.device == first))
-      value_error(std::string(args[i].name) + " must be on the same device as " + args[0].name +
-                  " (" + device_name(first) + "), got " + device_name(args[i].m.device));
-}
-
-void check_no_overlap(const std::vector<Arg>& args) {
-  const Arg& out = args.back();
-  const auto o = byte_range(out.m);
-  if (!o) return;
-  for (size_t i = 0; i + 1 < args.size(); ++i) {
-    const auto r = byte_range(args[i].m);
-    if (r && r->first < o->second && o->first < r->second)
-      value_error(std::string(out.name) + " must not overlap any input, got overlap with " +
-                  args[i].name + " (bytes [" + fmt_hex(o->first) + ", " + fmt_hex(o->second) +
-                  ") and [" + fmt_hex(r->first) + ", " + fmt_hex(r->second) + "))");
-  }
+  for (int64_t i = 0; i < m.dim && i < kMaxDims; ++i)
+    span += (m.sizes[i] - 1) * std::llabs(m.strides[i]);
+  return {m.data, m.data + span * m.element_size};
 }
 
 // contract._validate for tensor arguments `args` (out last) and fixed-valued ints `ints`.
 // The storage half of the exact-packed check (V at +256 in K's storage, which holds every page)
 // holds by construction for views derived from a valid buffer, so it is not repeated here.
 // overlap=false leaves the storage checks to the caller (update_caches has two outputs).
-void validate(const std::vector<Arg>& args, const std::vector<SizeSource>& sources,
-              const std::vector<IntArg>& ints, bool overlap = true) {
-  check_devices(args);
+template <size_t N, size_t NS, size_t NI>
+void validate(const std::array<Arg, N>& args, const std::array<SizeSource, NS>& sources,
+              const std::array<IntArg, NI>& ints, bool overlap = true) {
+  const DeviceId first = args[0].m.device;
+  for (size_t i = 1; i < N; ++i)
+    if (!(args[i].m.device == first))
+      value_error(std::string(args[i].name) + " must be on the same device as " + args[0].name +
+                  " (" + device_name(first) + "), got " + device_name(args[i].m.device));
   for (const Arg& a : args)
     if (a.m.dtype != a.dtype)
       type_error(std::string(a.name) + " must have dtype " + dtype_name(a.dtype) + ", got " +
                  dtype_name(a.m.dtype));
   for (const Arg& a : args)
     if (!a.packed && !a.m.contiguous)
-      value_error(std::string(a.name) + " must be contiguous, got strides " + fmt_ints(a.m.strides) +
-                  " for shape " + fmt_ints(a.m.sizes));
+      value_error(std::string(a.name) + " must be contiguous, got strides " + a.m.fmt_strides() +
+                  " for shape " + a.m.fmt_sizes());
   for (const Arg& a : args)
-    if (a.packed && a.m.strides != kKvStrides)
-      value_error(std::string(a.name) + " must have strides " + fmt_ints(kKvStrides) +
-                  " (exact-packed K/V), got " + fmt_ints(a.m.strides));
+    if (a.packed && !a.m.strides_are(kKvStrides, 4))
+      value_error(std::string(a.name) + " must have strides " +
+                  fmt_ints(torch::headeronly::IntHeaderOnlyArrayRef(kKvStrides, 4)) +
+                  " (exact-packed K/V), got " + a.m.fmt_strides());
   for (const Arg& a : args) {
-    bool ok = a.m.sizes.size() == a.shape.size();
-    for (size_t d = 0; ok && d < a.shape.size(); ++d)
-      ok = a.shape[d].sym || a.m.sizes[d] == a.shape[d].size;
+    bool ok = a.m.dim == static_cast<int64_t>(a.shape.size());
+    int64_t d = 0;
+    for (const Dim& p : a.shape) {
+      if (!ok) break;
+      ok = p.sym || a.m.sizes[d] == p.size;
+      ++d;
+    }
     if (!ok)
       value_error(std::string(a.name) + " must have shape " + fmt_pattern(a.shape) + ", got " +
-                  fmt_ints(a.m.sizes));
+                  a.m.fmt_sizes());
   }
-  std::map<char, std::pair<int64_t, const char*>> sizes;
-  for (const SizeSource& s : sources)
-    sizes[s.sym] = {args[s.arg].m.sizes[s.dim], args[s.arg].name};
+  auto size_of = [&](char sym) -> const SizeSource& {
+    for (const SizeSource& s : sources)
+      if (s.sym == sym) return s;
+    throw std::logic_error("qsa: unknown size symbol");
+  };
   for (const Arg& a : args) {
-    for (size_t d = 0; d < a.shape.size(); ++d) {
-      const Dim& p = a.shape[d];
-      if (!p.sym || a.m.sizes[d] == sizes[p.sym].first) continue;
-      std::vector<std::string> expected;
-      for (const Dim& x : a.shape)
-        expected.push_back(std::to_string(x.sym ? sizes[x.sym].first : x.size));
-      value_error(std::string(a.name) + " must have shape " + fmt_pattern(a.shape) + " = " +
-                  fmt_tuple(expected) + " (" + std::string(1, p.sym) + " = " +
-                  std::to_string(sizes[p.sym].first) + " from " + sizes[p.sym].second +
-                  "), got " + fmt_ints(a.m.sizes));
+    int64_t d = 0;
+    for (const Dim& p : a.shape) {
+      if (p.sym) {
+        const SizeSource& src = size_of(p.sym);
+        const int64_t want = args[src.arg].m.sizes[src.dim];
+        if (a.m.sizes[d] != want) {
+          std::vector<std::string> expected;
+          for (const Dim& x : a.shape) {
+            const int64_t v = x.sym ? args[size_of(x.sym).arg].m.sizes[size_of(x.sym).dim] : x.size;
+            expected.push_back(std::to_string(v));
+          }
+          value_error(std::string(a.name) + " must have shape " + fmt_pattern(a.shape) + " = " +
+                      fmt_tuple(expected) + " (" + std::string(1, p.sym) + " = " +
+                      std::to_string(want) + " from " + args[src.arg].name + "), got " +
+                      a.m.fmt_sizes());
+        }
+      }
+      ++d;
     }
   }
   for (const IntArg& i : ints)
     if (i.value != i.expected)
       value_error(std::string(i.name) + " must be " + std::to_string(i.expected) + ", got " +
                   std::to_string(i.value));
-  if (overlap) check_no_overlap(args);
+  if (!overlap) return;
+  const Arg& out = args[N - 1];
+  const auto o = byte_range(out.m);
+  if (o.first == o.second) return;
+  for (size_t i = 0; i + 1 < N; ++i) {
+    const auto r = byte_range(args[i].m);
+    if (r.first != r.second && r.first < o.second && o.first < r.second)
+      value_error(std::string(out.name) + " must not overlap any input, got overlap with " +
+                  args[i].name + " (bytes [" + fmt_hex(o.first) + ", " + fmt_hex(o.second) +
+                  ") and [" + fmt_hex(r.first) + ", " + fmt_hex(r.second) + "))");
+  }
 }
 
 constexpr double kDefaultSoftmaxScale = 0.0625;  // 1/sqrt(QSA_HEAD_DIM), exact
@@ -319,7 +369,7 @@ void validate_select(const Tensor& q, const Tensor& ck, const Tensor& page_table
                      const Tensor& token_to_req, const Tensor& query_positions,
                      const Tensor& sequence_lengths, int64_t token_topk, int64_t compress_ratio,
                      const Tensor& out) {
-  const std::vector<Arg> args = {
+  const std::array<Arg, 7> args = {{
       {"q", Meta::of(q), ScalarType::Half, {S('R'), F(QSA_INDEX_HEADS), F(QSA_INDEX_DIM)}, false},
       {"compressed_key_cache", Meta::of(ck), ScalarType::Half,
        {S('P'), F(QSA_CK_PAGE), F(1), F(QSA_INDEX_DIM)}, false},
@@ -328,57 +378,60 @@ void validate_select(const Tensor& q, const Tensor& ck, const Tensor& page_table
       {"query_positions", Meta::of(query_positions), ScalarType::Long, {S('R')}, false},
       {"sequence_lengths", Meta::of(sequence_lengths), ScalarType::Int, {S('B')}, false},
       {"out", Meta::of(out), ScalarType::Int, {S('R'), F(QSA_WIDTH)}, false},
-  };
-  validate(args, {{'R', 0, 0}, {'P', 1, 0}, {'B', 2, 0}, {'M', 2, 1}},
-           {{"token_topk", token_topk, QSA_TOKEN_TOPK},
-            {"compress_ratio", compress_ratio, QSA_COMPRESS_RATIO}});
+  }};
+  validate(args, std::array<SizeSource, 4>{{{'R', 0, 0}, {'P', 1, 0}, {'B', 2, 0}, {'M', 2, 1}}},
+           std::array<IntArg, 2>{{{"token_topk", token_topk, QSA_TOKEN_TOPK},
+                                  {"compress_ratio", compress_ratio, QSA_COMPRESS_RATIO}}});
 }
 
 // contract.validate_packed_kv: the [P, 512, 512] buffer the operator takes.
-void validate_packed_kv(const Tensor& kv) {
-  if (kv.scalar_type() != ScalarType::Half)
-    type_error("kv must have dtype torch.float16, got " + dtype_name(kv.scalar_type()));
-  if (kv.dim() != 3 || kv.size(1) != QSA_KV_PAGE || kv.size(2) != 2 * QSA_HEAD_DIM)
-    value_error("kv must have shape (P, " + std::to_string(QSA_KV_PAGE) + ", " +
-                std::to_string(2 * QSA_HEAD_DIM) + "), got " + fmt_ints(Meta::of(kv).sizes));
+Meta validate_packed_kv(const Tensor& kv) {
   const Meta m = Meta::of(kv);
-  if (m.strides != kPackedStrides)
-    value_error("kv must have strides " + fmt_ints(kPackedStrides) + ", got " +
-                fmt_ints(m.strides));
+  if (m.dtype != ScalarType::Half)
+    type_error("kv must have dtype torch.float16, got " + dtype_name(m.dtype));
+  if (m.dim != 3 || m.sizes[1] != QSA_KV_PAGE || m.sizes[2] != 2 * QSA_HEAD_DIM)
+    value_error("kv must have shape (P, " + std::to_string(QSA_KV_PAGE) + ", " +
+                std::to_string(2 * QSA_HEAD_DIM) + "), got " + m.fmt_sizes());
+  if (!m.strides_are(kPackedStrides, 3))
+    value_error("kv must have strides " +
+                fmt_ints(torch::headeronly::IntHeaderOnlyArrayRef(kPackedStrides, 3)) +
+                ", got " + m.fmt_strides());
+  return m;
 }
 
 // contract.kv_views: k_cache = kv[:, :, :256].unsqueeze(2), v_cache = kv[:, :, 256:].unsqueeze(2).
-std::pair<Meta, Meta> kv_views(const Tensor& kv) {
-  Meta k = Meta::of(kv);
-  k.sizes = {k.sizes[0], QSA_KV_PAGE, 1, QSA_HEAD_DIM};
-  k.strides = kKvStrides;
-  k.numel = k.sizes[0] * QSA_KV_PAGE * QSA_HEAD_DIM;
+std::pair<Meta, Meta> kv_views(const Meta& kv) {
+  Meta k = kv;
+  k.dim = 4;
+  const int64_t sizes[4] = {kv.sizes[0], QSA_KV_PAGE, 1, QSA_HEAD_DIM};
+  for (int i = 0; i < 4; ++i) {
+    k.sizes[i] = sizes[i];
+    k.strides[i] = kKvStrides[i];
+  }
+  k.numel = kv.sizes[0] * QSA_KV_PAGE * QSA_HEAD_DIM;
   k.contiguous = false;
+  k.source = nullptr;
   Meta v = k;
   v.data += QSA_HEAD_DIM * k.element_size;
-  v.storage_offset += QSA_HEAD_DIM;
   return {k, v};
 }
 
 double validate_attention(const Tensor& q, const Tensor& kv, const Tensor& logical_indices,
                           const Tensor& page_table, const Tensor& token_to_req, int64_t page_size,
                           const Tensor& out, std::optional<double> softmax_scale) {
-  validate_packed_kv(kv);
-  const auto [k_cache, v_cache] = kv_views(kv);
-  const std::vector<Dim> kvp = {S('P'), F(QSA_KV_PAGE), F(1), F(QSA_HEAD_DIM)};
-  const std::vector<Dim> heads = {S('R'), F(QSA_ATTN_HEADS), F(QSA_HEAD_DIM)};
-  const std::vector<Arg> args = {
-      {"q", Meta::of(q), ScalarType::Half, heads, false},
-      {"k_cache", k_cache, ScalarType::Half, kvp, true},
-      {"v_cache", v_cache, ScalarType::Half, kvp, true},
+  const auto [k_cache, v_cache] = kv_views(validate_packed_kv(kv));
+  const std::array<Arg, 7> args = {{
+      {"q", Meta::of(q), ScalarType::Half, {S('R'), F(QSA_ATTN_HEADS), F(QSA_HEAD_DIM)}, false},
+      {"k_cache", k_cache, ScalarType::Half, {S('P'), F(QSA_KV_PAGE), F(1), F(QSA_HEAD_DIM)}, true},
+      {"v_cache", v_cache, ScalarType::Half, {S('P'), F(QSA_KV_PAGE), F(1), F(QSA_HEAD_DIM)}, true},
       {"logical_indices", Meta::of(logical_indices), ScalarType::Int, {S('R'), F(QSA_WIDTH)},
        false},
       {"page_table", Meta::of(page_table), ScalarType::Int, {S('B'), S('M')}, false},
       {"token_to_req", Meta::of(token_to_req), ScalarType::Int, {S('R')}, false},
-      {"out", Meta::of(out), ScalarType::Half, heads, false},
-  };
-  validate(args, {{'R', 0, 0}, {'P', 1, 0}, {'B', 4, 0}, {'M', 4, 1}},
-           {{"page_size", page_size, QSA_KV_PAGE}});
+      {"out", Meta::of(out), ScalarType::Half, {S('R'), F(QSA_ATTN_HEADS), F(QSA_HEAD_DIM)}, false},
+  }};
+  validate(args, std::array<SizeSource, 4>{{{'R', 0, 0}, {'P', 1, 0}, {'B', 4, 0}, {'M', 4, 1}}},
+           std::array<IntArg, 1>{{{"page_size", page_size, QSA_KV_PAGE}}});
   if (!softmax_scale) return kDefaultSoftmaxScale;
   const double s = *softmax_scale;
   if (!(std::isfinite(s) && s > 0.0))
@@ -432,24 +485,23 @@ cudaStream_t current_stream(int device) {
   return static_cast<cudaStream_t>(stream);
 }
 
-// The kernels are compiled for one architecture (sm_90a): refuse any other device once, with
-// the reason, instead of failing inside a launch.
+// The kernels are compiled for one architecture (sm_90a): refuse any other device with the
+// reason instead of failing inside a launch. The verdict is kept per device (first call only).
 void check_capability(int device) {
-  static std::mutex mu;
-  static std::map<int, std::string> verdicts;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = verdicts.find(device);
-  if (it == verdicts.end()) {
-    int major = 0, minor = 0;
-    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "qsa");
-    check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "qsa");
-    std::string why;
-    if (major != 9 || minor != 0)
-      why = "qsa kernels are built for " QSA_ARCH " (compute capability 9.0), device cuda:" +
-            std::to_string(device) + " has " + std::to_string(major) + "." + std::to_string(minor);
-    it = verdicts.emplace(device, why).first;
-  }
-  if (!it->second.empty()) throw std::runtime_error(it->second);
+  constexpr int kDevices = 64;
+  static std::atomic<int8_t> verdict[kDevices] = {};  // 0 unknown, 1 supported, -1 not
+  if (device >= 0 && device < kDevices && verdict[device].load(std::memory_order_relaxed) == 1)
+    return;
+  int major = 0, minor = 0;
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "qsa");
+  check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "qsa");
+  const bool ok = major == 9 && minor == 0;
+  if (device >= 0 && device < kDevices) verdict[device].store(ok ? 1 : -1);
+  if (!ok)
+    throw std::runtime_error("qsa kernels are built for " QSA_ARCH
+                             " (compute capability 9.0), device cuda:" +
+                             std::to_string(device) + " has " + std::to_string(major) + "." +
+                             std::to_string(minor));
 }
 
 // Scratch bytes and zeroed int32 counters of one (device, stream), from torch's caching
@@ -476,16 +528,19 @@ WorkspaceView workspace(const Tensor& like, int device, cudaStream_t stream, siz
   // Leaked on purpose: tensors must not be destroyed after torch shuts down at exit.
   static auto* mu = new std::mutex;
   static auto* all = new std::map<std::pair<int, cudaStream_t>, Workspace>;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  check_cuda(cudaStreamIsCapturing(stream, &capture), "qsa workspace");
-  const bool capturing = capture != cudaStreamCaptureStatusNone;
   std::lock_guard<std::mutex> lock(*mu);
   Workspace& ws = (*all)[{device, stream}];
   WorkspaceView view;
+  // Asked only when something must be allocated (the common call needs no runtime call here).
+  auto capturing = [&] {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    check_cuda(cudaStreamIsCapturing(stream, &capture), "qsa workspace");
+    return capture != cudaStreamCaptureStatusNone;
+  };
   if (bytes > 0) {
     const int64_t have = ws.scratch ? ws.scratch->numel() : 0;
     if (have < static_cast<int64_t>(bytes)) {
-      if (capturing) {
+      if (capturing()) {
         view.keep = torch::stable::new_empty(like, {static_cast<int64_t>(bytes)}, ScalarType::Byte);
       } else {
         const int64_t size = std::max<int64_t>(bytes, have ? 2 * have : int64_t(1) << 20);
@@ -499,7 +554,7 @@ WorkspaceView workspace(const Tensor& like, int device, cudaStream_t stream, siz
   }
   if (counter_slots > 0) {
     if (!ws.counters) {
-      if (capturing) {  // the zero fill is captured too: every replay starts from zeros
+      if (capturing()) {  // the zero fill is captured too: every replay starts from zeros
         view.keep_counters = torch::stable::new_zeros(like, {counter_slots}, ScalarType::Int);
       } else {
         ws.counters = torch::stable::new_zeros(like, {counter_slots}, ScalarType::Int);
@@ -622,36 +677,36 @@ void check_attention(Tensor q, Tensor kv, Tensor logical_indices, Tensor page_ta
 // update_caches (the third operator): validation and launch
 // ---------------------------------------------------------------------------------------------
 
-// contract.validate_update_args: the common ordered checks over all seven tensors, then the
-// storage checks of the two outputs (each against the inputs, then against each other).
-void check_outputs_disjoint(const std::vector<Arg>& args, size_t first_output) {
+// contract.validate_update_args' storage checks: each output against every input, then the
+// two outputs against each other.
+void check_outputs_disjoint(const std::array<Arg, 7>& args, size_t first_output) {
   for (size_t o = first_output; o < args.size(); ++o) {
     const auto out = byte_range(args[o].m);
-    if (!out) continue;
+    if (out.first == out.second) continue;
     for (size_t i = 0; i < first_output; ++i) {
       const auto r = byte_range(args[i].m);
-      if (r && r->first < out->second && out->first < r->second)
+      if (r.first != r.second && r.first < out.second && out.first < r.second)
         value_error(std::string(args[o].name) + " must not overlap any input, got overlap with " +
-                    args[i].name + " (bytes [" + fmt_hex(out->first) + ", " +
-                    fmt_hex(out->second) + ") and [" + fmt_hex(r->first) + ", " +
-                    fmt_hex(r->second) + "))");
+                    args[i].name + " (bytes [" + fmt_hex(out.first) + ", " +
+                    fmt_hex(out.second) + ") and [" + fmt_hex(r.first) + ", " +
+                    fmt_hex(r.second) + "))");
     }
   }
   const auto kv = byte_range(args[first_output].m), ck = byte_range(args[first_output + 1].m);
-  if (kv && ck && ck->first < kv->second && kv->first < ck->second)
+  if (kv.first != kv.second && ck.first != ck.second && ck.first < kv.second &&
+      kv.first < ck.second)
     value_error(std::string(args[first_output + 1].name) + " must not overlap " +
                 args[first_output].name + " (the other output), got bytes [" +
-                fmt_hex(ck->first) + ", " + fmt_hex(ck->second) + ") and [" + fmt_hex(kv->first) +
-                ", " + fmt_hex(kv->second) + ")");
+                fmt_hex(ck.first) + ", " + fmt_hex(ck.second) + ") and [" + fmt_hex(kv.first) +
+                ", " + fmt_hex(kv.second) + ")");
 }
 
 void validate_update(const Tensor& key, const Tensor& value, const Tensor& slot_mapping,
                      const Tensor& compressed_slot_mapping, const Tensor& index_wk,
                      const Tensor& kv_cache, const Tensor& compressed_key_cache) {
-  const std::vector<Dim> rows = {S('T'), F(QSA_HEAD_DIM)};
-  const std::vector<Arg> args = {
-      {"key", Meta::of(key), ScalarType::Half, rows, false},
-      {"value", Meta::of(value), ScalarType::Half, rows, false},
+  const std::array<Arg, 7> args = {{
+      {"key", Meta::of(key), ScalarType::Half, {S('T'), F(QSA_HEAD_DIM)}, false},
+      {"value", Meta::of(value), ScalarType::Half, {S('T'), F(QSA_HEAD_DIM)}, false},
       {"slot_mapping", Meta::of(slot_mapping), ScalarType::Long, {S('T')}, false},
       {"compressed_slot_mapping", Meta::of(compressed_slot_mapping), ScalarType::Long, {S('T')},
        false},
@@ -661,8 +716,9 @@ void validate_update(const Tensor& key, const Tensor& value, const Tensor& slot_
        {S('P'), F(QSA_KV_PAGE), F(2 * QSA_HEAD_DIM)}, false},
       {"compressed_key_cache", Meta::of(compressed_key_cache), ScalarType::Half,
        {S('Q'), F(QSA_CK_PAGE), F(1), F(QSA_INDEX_DIM)}, false},
-  };
-  validate(args, {{'T', 0, 0}, {'P', 5, 0}, {'Q', 6, 0}}, {}, /*overlap=*/false);
+  }};
+  validate(args, std::array<SizeSource, 3>{{{'T', 0, 0}, {'P', 5, 0}, {'Q', 6, 0}}},
+           std::array<IntArg, 0>{}, /*overlap=*/false);
   check_outputs_disjoint(args, 5);
 }
 

@@ -57,7 +57,8 @@ sanitize() {
 
 timing() {
   step "timing $*"
-  timeout 200 "$PY" scripts/gpu_timing.py --json "$OUT/timing.json" "$@" 2>&1 | tee "$OUT/timing.log"
+  timeout 200 "$PY" -m custom_esimd_kernels_vllm.bench --validation "$OUT/timing.json" \
+    --out-dir "$OUT/bench" --no-progress "$@" 2>&1 | tee "$OUT/timing.log"
   return "${PIPESTATUS[0]}"
 }
 
@@ -74,7 +75,7 @@ case "$MODE" in
   dev)
     build || exit 1
     QSA_PYTEST_TIMEOUT=300 gpu_tests "$@" || fail "GPU tests"
-    timing --splits-sweep --breakdown || fail "timing"
+    timing --splits-sweep || fail "timing"
     sanitize || fail "sanitizer" ;;
   test)
     build || exit 1

@@ -35,6 +35,50 @@ __device__ __forceinline__ void half8_to_float(const uint4& raw, float (&f)[8]) 
   }
 }
 
+// Loads issued where they are written: asm volatile keeps the compiler from sinking a load to
+// its first use (it did so for predicated zero-filled loads, one round trip per load) and from
+// turning the predicate into a branch. Read-only data only (ld.global.nc); zero / `fallback`
+// when `pred` is false, and then nothing is read.
+__device__ __forceinline__ uint4 ldg16_pred(const void* p, bool pred) {
+  uint4 v;
+  asm volatile(
+      "{\n\t.reg .pred q;\n\t"
+      "setp.ne.b32 q, %5, 0;\n\t"
+      "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+      "@q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p), "r"(int(pred)));
+  return v;
+}
+
+__device__ __forceinline__ int32_t ldg32_pred(const int32_t* p, bool pred, int32_t fallback) {
+  int32_t v;
+  asm volatile(
+      "{\n\t.reg .pred q;\n\t"
+      "setp.ne.b32 q, %2, 0;\n\t"
+      "mov.b32 %0, %3;\n\t"
+      "@q ld.global.nc.b32 %0, [%1];\n\t}"
+      : "=r"(v)
+      : "l"(p), "r"(int(pred)), "r"(fallback));
+  return v;
+}
+
+__device__ __forceinline__ int64_t ldg64(const int64_t* p) {
+  int64_t v;
+  asm volatile("ld.global.nc.b64 %0, [%1];\n" : "=l"(v) : "l"(p));
+  return v;
+}
+
+// Eight halves, predicated: one 16-byte load (kVec16) or eight 2-byte loads; zero when !pred.
+template <bool kVec16>
+__device__ __forceinline__ uint4 load8_pred(const __half* p, bool pred) {
+  if constexpr (kVec16) {
+    return ldg16_pred(p, pred);
+  } else {
+    return pred ? load8<false>(p) : make_uint4(0, 0, 0, 0);
+  }
+}
+
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 }  // namespace detail

@@ -1,7 +1,7 @@
 // QSA kernels: torch-free interface (pointers, sizes, strides, cudaStream_t -> cudaError_t).
 //
-// The Python layer validates every argument against the contract before it calls in here;
-// these entry points only launch. Every launch is followed by cudaGetLastError() and the
+// The op layer (csrc/torch_ops.cpp) validates every argument against the contract before it
+// calls in here; these entry points only launch. Every launch is followed by cudaGetLastError() and the
 // first error is returned. Grid sizes depend on the shapes only, nothing is read back to the
 // host, and nothing is allocated: the entry points are safe inside CUDA-graph capture.
 //

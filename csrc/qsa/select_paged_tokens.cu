@@ -3,7 +3,8 @@
 // Two launches per group of rows:
 //   1. score_blocks_kernel  grid (chunks, rows): one half-warp per compressed key computes the
 //      4-head ReLU score in float32 and stores it as an order-preserving uint32 key.
-//   2. select_rows_kernel   grid (rows): one 1024-thread CTA per row finds the exact 512-th
+//   2. select_rows_kernel   grid (rows): one CTA per row (1024 threads; 512 when there are
+//      more rows than SMs) finds the exact 512-th
 //      largest key by radix select, gathers the winners in block order (ties broken by the
 //      lower block index), sorts them by (score desc, block asc) and writes the row.
 //
@@ -46,12 +47,14 @@ static_assert(kWidth == kBlockTopk * kRatio + QSA_TAIL, "row width");
 constexpr float kScoreScale = static_cast<float>(0.088388347648318440550105545263);
 
 constexpr int kScoreThreads = 256;                    // 16 half-warps
-constexpr int kScoreChunk = 64;                       // blocks per CTA iteration (4 per half-warp)
+// NOTES: one page (128 blocks, 8 keys per half-warp, 32 KiB) per CTA iteration: v4's 64-block
+// chunks kept 16 KiB in flight per CTA behind a 3-4 load dependent chain (2.2 TB/s at R=64).
+constexpr int kScoreChunk = 128;                      // blocks per CTA iteration (8 per half-warp)
 constexpr int kKeysPerHalfWarp = kScoreChunk / (kScoreThreads / 16);
 static_assert(kCkPage % kScoreChunk == 0, "a chunk never straddles a page");
 
-constexpr int kSelectThreads = 1024;
-constexpr int kSelectWarps = kSelectThreads / 32;
+constexpr int kSelectWarpsMax = 32;
+constexpr int64_t kPdlMaxRows = 2;   // row-select launched as a programmatic dependent  // select_rows_kernel runs 512 or 1024 threads
 constexpr int kRadixBins = 2048;
 constexpr int kRadixUnroll = 4;                       // keys per thread per histogram step                      // 11-bit digits: passes of 11, 11, 10 bits
 // NOTES: keys of one row live in shared memory when they fit (up to 48K blocks = 196K tokens,
@@ -95,49 +98,77 @@ __global__ void __launch_bounds__(kScoreThreads)
     score_blocks_kernel(SelectParams p, int64_t row0, int64_t ncap, uint32_t* __restrict__ keys) {
   const int64_t rl = blockIdx.y;
   const int64_t r = row0 + rl;
-  const RowInfo ri = row_info(p, r, ncap);
-  if (!ri.valid) return;
-  const int64_t first = int64_t(blockIdx.x) * kScoreChunk;
-  if (first >= ri.nbv) return;
-
   const int hw = threadIdx.x >> 4;   // half-warp: 0..15
   const int lane = threadIdx.x & 15; // dims [8 lane, 8 lane + 8)
+  const int64_t first = int64_t(blockIdx.x) * kScoreChunk;  // < ncap = M * 128
+
+  // NOTES: dependent chain cut from 4 loads to 3 before the keys: token_to_req, the query
+  // position and q go out together; the sequence length and the first chunk's page-table
+  // entry then go out together (the entry is read whether or not the chunk is visible).
+  // (asm volatile loads: the compiler otherwise sinks them below the early returns.)
+  const int64_t b = detail::ldg32_pred(p.token_to_req + r, true, -1);
+  const int64_t pos1 = detail::ldg64(p.query_positions + r) + 1;
+  const __half* q = static_cast<const __half*>(p.q) + r * (kIndexHeads * kIndexDim);
+  uint4 qraw[kIndexHeads];
+#pragma unroll
+  for (int h = 0; h < kIndexHeads; ++h) {
+    qraw[h] = detail::load8_pred<kVec16>(q + h * kIndexDim + lane * 8, true);
+  }
+  const bool b_ok = b >= 0 && b < p.requests;
+  const int32_t* table = p.page_table + (b_ok ? b : 0) * p.page_table_stride;
+  const int64_t len = detail::ldg32_pred(p.sequence_lengths + (b_ok ? b : 0), b_ok, 0);
+  // (first < ncap: the table has this page; with M = 0 there is no entry to read)
+  int64_t phys = detail::ldg32_pred(table + first / kCkPage, b_ok && first < ncap, -1);
+  if (!b_ok) return;
+  RowInfo ri;
+  ri.valid = true;
+  ri.b = b;
+  ri.n = pos1 < len ? pos1 : len;
+  ri.n = ri.n > 0 ? ri.n : 0;
+  ri.nb = ri.n / kRatio;
+  ri.nbv = ri.nb < ncap ? ri.nb : ncap;
+  if (first >= ri.nbv) return;
 
   // q[r, h, 8 lane .. 8 lane + 7] for the 4 heads, in float32.
   float qf[kIndexHeads][8];
-  const __half* q = static_cast<const __half*>(p.q) + r * (kIndexHeads * kIndexDim);
 #pragma unroll
-  for (int h = 0; h < kIndexHeads; ++h) {
-    const uint4 raw = load8<kVec16>(q + h * kIndexDim + lane * 8);
-    half8_to_float(raw, qf[h]);
-  }
+  for (int h = 0; h < kIndexHeads; ++h) half8_to_float(qraw[h], qf[h]);
   const __half* ck = static_cast<const __half*>(p.compressed_keys);
+  const uint32_t zero = static_cast<uint32_t>(ncap >> 62);  // ncap < 2^62
   uint32_t* row_keys = keys + rl * ncap;
-  const int32_t* table = p.page_table + ri.b * p.page_table_stride;
+  const int64_t stride = int64_t(gridDim.x) * kScoreChunk;
 
-  for (int64_t j0 = first; j0 < ri.nbv; j0 += int64_t(gridDim.x) * kScoreChunk) {
-    const int64_t page = j0 / kCkPage;
-    const int64_t phys = table[page];
+  for (int64_t j0 = first; j0 < ri.nbv; j0 += stride) {
+    // The next chunk's page-table entry goes out with this chunk's keys.
+    const bool more = j0 + stride < ri.nbv;
+    const int64_t next = detail::ldg32_pred(table + (more ? (j0 + stride) / kCkPage : 0), more, -1);
     const bool usable = phys >= 0 && phys < p.pages;
     if (!usable) {
       // Never read: an unusable block gets key 0 and can never be chosen.
       for (int i = threadIdx.x; i < kScoreChunk; i += kScoreThreads) {
         if (j0 + i < ri.nbv) row_keys[j0 + i] = 0u;
       }
+      phys = next;
       continue;
     }
     // Half-warp hw takes blocks j0 + k*16 + hw: a warp reads 512 contiguous bytes per load.
+    // NOTES: unpredicated loads of a clamped block (j0 < nbv, same page): the 8 loads go out
+    // together. v4 zero-filled past the end with predicated loads, and ptxas sank each of
+    // them to its first use (one round trip per key). A clamped key's score is not stored.
     uint4 raw[kKeysPerHalfWarp];
 #pragma unroll
     for (int k = 0; k < kKeysPerHalfWarp; ++k) {
-      const int64_t j = j0 + k * 16 + hw;
-      if (j < ri.nbv) {
-        const int64_t slot = phys * kCkPage + (j % kCkPage);
-        raw[k] = load8<kVec16>(ck + slot * kIndexDim + lane * 8);
-      } else {
-        raw[k] = make_uint4(0, 0, 0, 0);
-      }
+      const int64_t j = min(j0 + k * 16 + hw, ri.nbv - 1);
+      const int64_t slot = phys * kCkPage + (j % kCkPage);
+      raw[k] = load8<kVec16>(ck + slot * kIndexDim + lane * 8);
     }
+    // NOTES: ptxas still sank loads 1..3 below key 0's arithmetic (one round trip per key):
+    // key 0 is made to depend on all of them (`zero` is 0 at run time, unknown to the
+    // compiler), so all loads are in flight before the first FMA.
+    uint32_t later = 0;
+#pragma unroll
+    for (int k = 1; k < kKeysPerHalfWarp; ++k) later |= raw[k].x;
+    raw[0].x |= later & zero;
 #pragma unroll
     for (int k = 0; k < kKeysPerHalfWarp; ++k) {
       float kf[8];
@@ -171,25 +202,29 @@ __global__ void __launch_bounds__(kScoreThreads)
       const int64_t j = j0 + k * 16 + hw;
       if (lane == 0 && j < ri.nbv) row_keys[j] = __float_as_uint(c * kScoreScale) + 1u;
     }
+    phys = next;
   }
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // after the last store
 }
 
 struct SelectShared {
   uint32_t hist[kRadixBins];
   unsigned long long winners[kBlockTopk];
-  int warp_gt[kSelectWarps];
-  int warp_eq[kSelectWarps];
-  int warp_eq_base[kSelectWarps];
-  int warp_out_base[kSelectWarps];
-  int scan[kSelectWarps];
+  int warp_gt[kSelectWarpsMax];
+  int warp_eq[kSelectWarpsMax];
+  int warp_eq_base[kSelectWarpsMax];
+  int warp_out_base[kSelectWarpsMax];
+  int scan[kSelectWarpsMax];
   uint32_t digit;
   int above;
   int digit_count;
   int chosen;
 };
 
-// Inclusive block scan of one int per thread (1024 threads).
+// Inclusive block scan of one int per thread (kT threads, at most 1024).
+template <int kT>
 __device__ __forceinline__ int block_inclusive_scan(int x, int* warp_sums) {
+  constexpr int kW = kT / 32;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
@@ -199,13 +234,13 @@ __device__ __forceinline__ int block_inclusive_scan(int x, int* warp_sums) {
   if (lane == 31) warp_sums[warp] = x;
   __syncthreads();
   if (warp == 0) {
-    int w = warp_sums[lane];
+    int w = lane < kW ? warp_sums[lane] : 0;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const int y = __shfl_up_sync(0xffffffffu, w, o);
       if (lane >= o) w += y;
     }
-    warp_sums[lane] = w;
+    if (lane < kW) warp_sums[lane] = w;
   }
   __syncthreads();
   const int res = x + (warp > 0 ? warp_sums[warp - 1] : 0);
@@ -213,14 +248,25 @@ __device__ __forceinline__ int block_inclusive_scan(int x, int* warp_sums) {
   return res;
 }
 
-__global__ void __launch_bounds__(kSelectThreads, 1)
+// kT threads per CTA: 1024 while the rows fit on the SMs in one wave, 512 for larger batches
+// (several rows per SM; the phases of one row are latency-bound).
+template <int kT>
+__global__ void __launch_bounds__(kT, 1024 / kT)
     select_rows_kernel(SelectParams p, int64_t row0, int64_t ncap, const uint32_t* __restrict__ keys) {
+  constexpr int kSelectThreads = kT;
+  constexpr int kSelectWarps = kT / 32;
+  constexpr int kBinsPer = kRadixBins / kT;
   extern __shared__ uint4 dyn_smem[];
   __shared__ SelectShared sh;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t r = row0 + blockIdx.x;
   int32_t* out = p.out + r * p.out_stride;
   const RowInfo ri = row_info(p, r, ncap);
+  // NOTES: small batches launch this kernel as a programmatic dependent of the score kernel
+  // (PDL): the launch and row_info's 3 dependent loads (inputs the score kernel does not
+  // write) overlap the score kernel; nothing is written and no key is read before the wait.
+  // Without the launch attribute the wait returns at once.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
   if (!ri.valid) {
     for (int c = tid; c < kWidth; c += kSelectThreads) out[c] = -1;
     return;
@@ -282,20 +328,25 @@ __global__ void __launch_bounds__(kSelectThreads, 1)
         }
       }
       __syncthreads();
-      // Scan the bins from the top: thread t owns bins nbins-1-2t and nbins-2-2t.
-      const int b0 = int(nbins) - 1 - 2 * tid, b1 = b0 - 1;
-      const int c0 = b0 >= 0 ? int(sh.hist[b0]) : 0;
-      const int c1 = b1 >= 0 ? int(sh.hist[b1]) : 0;
-      const int incl = block_inclusive_scan(c0 + c1, sh.scan);
-      const int excl = incl - c0 - c1;
-      if (excl < k_rem && k_rem <= excl + c0) {
-        sh.digit = b0;
-        sh.above = excl;
-        sh.digit_count = c0;
-      } else if (excl + c0 < k_rem && k_rem <= incl) {
-        sh.digit = b1;
-        sh.above = excl + c0;
-        sh.digit_count = c1;
+      // Scan the bins from the top: thread t owns bins nbins-1-kBinsPer*t-j, j < kBinsPer.
+      int cnt[kBinsPer];
+      int sum = 0;
+#pragma unroll
+      for (int j = 0; j < kBinsPer; ++j) {
+        const int bj = int(nbins) - 1 - kBinsPer * tid - j;
+        cnt[j] = bj >= 0 ? int(sh.hist[bj]) : 0;
+        sum += cnt[j];
+      }
+      const int incl = block_inclusive_scan<kT>(sum, sh.scan);
+      int run = incl - sum;
+#pragma unroll
+      for (int j = 0; j < kBinsPer; ++j) {
+        if (run < k_rem && k_rem <= run + cnt[j]) {
+          sh.digit = int(nbins) - 1 - kBinsPer * tid - j;
+          sh.above = run;
+          sh.digit_count = cnt[j];
+        }
+        run += cnt[j];
       }
       __syncthreads();
       k_rem -= sh.above;
@@ -328,7 +379,7 @@ __global__ void __launch_bounds__(kSelectThreads, 1)
   }
   __syncthreads();
   if (warp == 0) {
-    int e = sh.warp_eq[lane];
+    int e = lane < kSelectWarps ? sh.warp_eq[lane] : 0;
     int e_incl = e;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -337,15 +388,17 @@ __global__ void __launch_bounds__(kSelectThreads, 1)
     }
     const int e_base = e_incl - e;
     const int take_eq = max(0, min(k_rem - e_base, e));
-    const int c = sh.warp_gt[lane] + take_eq;
+    const int c = (lane < kSelectWarps ? sh.warp_gt[lane] : 0) + take_eq;
     int c_incl = c;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const int y = __shfl_up_sync(0xffffffffu, c_incl, o);
       if (lane >= o) c_incl += y;
     }
-    sh.warp_eq_base[lane] = e_base;
-    sh.warp_out_base[lane] = c_incl - c;
+    if (lane < kSelectWarps) {
+      sh.warp_eq_base[lane] = e_base;
+      sh.warp_out_base[lane] = c_incl - c;
+    }
     if (lane == 31) sh.chosen = c_incl;
   }
   __syncthreads();
@@ -449,8 +502,12 @@ cudaError_t raise_smem_limit() {
   if (err != cudaSuccess) return err;
   const uint64_t bit = dev < 64 ? (uint64_t(1) << dev) : 0;
   if (bit && (done.load(std::memory_order_relaxed) & bit)) return cudaSuccess;
-  err = cudaFuncSetAttribute(select_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  err = cudaFuncSetAttribute(select_rows_kernel<1024>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(kSmemKeysCap * sizeof(uint32_t)));
+  if (err == cudaSuccess) {
+    err = cudaFuncSetAttribute(select_rows_kernel<512>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(kSmemKeysCap * sizeof(uint32_t)));
+  }
   if (err == cudaSuccess && bit) done.fetch_or(bit, std::memory_order_relaxed);
   return err;
 }
@@ -487,10 +544,11 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
   const int64_t chunks = std::max<int64_t>(1, (ncap + kScoreChunk - 1) / kScoreChunk);
   for (int64_t row0 = 0; row0 < p.rows; row0 += g) {
     const int64_t n = std::min<int64_t>(g, p.rows - row0);
-    // NOTES: at least 128 CTAs per row (one 64-block chunk each up to 32K tokens: v1 looped
-    // 14 chunks per CTA at R=64 and reached 1.9 TB/s, each chunk waiting on its page-table
-    // load) and at least 4 CTAs per SM in total; CTAs loop over the remaining chunks, so the
-    // grid does not grow with the page-table width (M = 8192 would launch 16K CTAs per row).
+    // NOTES: up to 128 CTAs per row (one page each up to 64K tokens: v1 looped 14 chunks per
+    // CTA at R=64 and reached 1.9 TB/s, each chunk waiting on its page-table load) and at
+    // least 4 CTAs per SM in total; CTAs loop over the remaining pages (the next page-table
+    // entry loads with the current keys), so the grid does not grow with the page-table width
+    // (M = 8192 would launch 8K CTAs per row).
     const int64_t per_row =
         std::max<int64_t>(128, (4 * int64_t(sm_count()) + n - 1) / n);
     const dim3 score_grid(static_cast<unsigned>(std::min(chunks, per_row)),
@@ -502,8 +560,31 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     }
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    select_rows_kernel<<<static_cast<unsigned>(n), kSelectThreads, smem_keys, stream>>>(
-        p, row0, ncap, keys);
+    // NOTES: more rows than SMs: 512-thread CTAs, 2 per SM, all rows of a 256-row batch
+    // resident at once (1024-thread CTAs ran in 2 waves there). PDL only for <= 2 rows: v5
+    // launched every batch that way and lost 3-5 us at R = 8..64, the early select CTAs
+    // sitting on SMs the score kernel still needed.
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(n));
+    cfg.dynamicSmemBytes = smem_keys;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    if (n <= kPdlMaxRows) {
+      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[0].val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+    }
+    if (n > sm_count()) {
+      cfg.blockDim = dim3(512);
+      err = cudaLaunchKernelEx(&cfg, select_rows_kernel<512>, p, row0, ncap,
+                               static_cast<const uint32_t*>(keys));
+    } else {
+      cfg.blockDim = dim3(1024);
+      err = cudaLaunchKernelEx(&cfg, select_rows_kernel<1024>, p, row0, ncap,
+                               static_cast<const uint32_t*>(keys));
+    }
+    if (err != cudaSuccess) return err;
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }

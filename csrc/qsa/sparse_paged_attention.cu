@@ -1,12 +1,17 @@
 // Sparse paged attention over the exact-packed FP16 cache (contract section 2).
 //
-// One launch. grid (R, splits): CTA (r, s) takes columns [s*chunk, (s+1)*chunk) of row r,
-// resolves them to cache slots (holes and out-of-table entries dropped, duplicates kept),
-// and runs an online softmax over them. Each token is 1 KiB (256 K halves then 256 V halves):
-// a warp reads it with one 16-byte load per lane for K and one for V, once for all 3 heads.
-// With splits > 1 every CTA writes its partial (max, sum, unnormalised output) to the
-// workspace, and the last CTA of the row (a counter per row, reset by that CTA) merges the
-// partials in split order, so the result does not depend on which CTA finishes last.
+// One launch. grid (R, splits): CTA (r, s) takes the balanced column range
+// [s*2051/splits, (s+1)*2051/splits) of row r, resolves it to cache slots (holes and
+// out-of-table entries dropped, duplicates kept) and runs an online softmax over it. Each
+// token is 1 KiB (256 K halves then 256 V halves): a warp reads it with one 16-byte load per
+// lane for K and one for V, once for all 3 heads.
+// Split rows (splits > 1) run as thread-block clusters of up to 8 CTAs: the CTAs of a cluster
+// merge their partials through distributed shared memory in rank order, each CTA producing
+// one slice of the 768 outputs. With more than 8 splits (several clusters per row), each
+// slice is published to the workspace and the last cluster to arrive for that slice (a
+// counter per (row, slice), acquire/release, reset by that CTA) merges the clusters' slices
+// in cluster order, so the result never depends on which CTA finishes last.
+#include <cooperative_groups.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -22,8 +27,10 @@ namespace qsa {
 // was built.
 namespace attention_impl {
 
+namespace cg = cooperative_groups;
 using detail::half8_to_float;
-using detail::load8;
+using detail::ldg32_pred;
+using detail::load8_pred;
 
 constexpr int kHeads = QSA_ATTN_HEADS;     // 3
 constexpr int kHeadDim = QSA_HEAD_DIM;     // 256
@@ -35,16 +42,21 @@ static_assert(kHeads == 3, "partials are laid out for 3 heads");
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kTokensPerWarp = 4;  // tokens in flight per warp iteration (8 x 16 B per lane)
+// NOTES: 5 tokens per warp pass fill 15 of the transposed butterfly's 16 values (4 used 12):
+// 10 16-byte loads per lane in flight, a 40-token pass per CTA.
+constexpr int kTokensPerWarp = 5;
 constexpr int kOut = kHeads * kHeadDim;             // 768 outputs per row
 constexpr int kPartStride = kOut + 8;               // floats: 768 acc, 3 max, 3 sum, 2 pad
-constexpr int kMaxSplits = 32;
-constexpr int kMinChunk = kWarps * kTokensPerWarp;  // 32 columns
-constexpr int kCounterSlots = 4096;
-// Per-warp compacted regions: each warp owns ceil(chunk / 256) * 32 slots.
-constexpr int kSlotCap = kWarps * ((kWidth + kThreads - 1) / kThreads) * 32;
+constexpr int kMaxCluster = 8;                      // portable cluster size
+constexpr int kMaxClusters = 16;                    // clusters per row
+constexpr int kMaxSplits = kMaxCluster * kMaxClusters;
+constexpr int kCounterSlots = 4096;                 // one per (row, slice) when clusters > 1
+// Resolve rounds per warp: each warp owns ceil(columns / 256) * 32 columns of its CTA.
+constexpr int kMaxRounds = (kWidth + kThreads - 1) / kThreads;
+constexpr int kSlotCap = kWarps * kMaxRounds * 32;
 constexpr float kLog2e = 1.4426950408889634f;
 static_assert(kThreads == kHeadDim, "the CTA merge gives each thread one dim of every head");
+static_assert(kTokensPerWarp * kHeads <= 16, "one transposed butterfly per pass");
 
 // Sum each of 16 per-lane values over the warp; returns, in lane L, the sum of value L >> 1.
 __device__ __forceinline__ float warp_reduce16(const float (&v)[16], int lane) {
@@ -75,49 +87,82 @@ struct AttnShared {
   float acc[kWarps][kOut];             // per-warp unnormalised outputs
   float m[kWarps][kHeads];
   float l[kWarps][kHeads];
+  float cta_acc[kOut];                 // this CTA's partial, read by its cluster (DSMEM)
+  float cta_m[kHeads];
+  float cta_l[kHeads];
   int is_last;
 };
 
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int32_t* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n"
+               : "=r"(old)
+               : "l"(p), "r"(v)
+               : "memory");
+  return old;
+}
+
+// grid (R, splits), clusters of `csize` CTAs along y (csize = 1 when splits == 1).
 template <bool kVec16>
 __global__ void __launch_bounds__(kThreads, 2)
-    attention_kernel(AttentionParams p, int splits, int chunk, float* __restrict__ parts) {
+    attention_kernel(AttentionParams p, int splits, int csize, float* __restrict__ parts) {
   __shared__ AttnShared sh;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t r = blockIdx.x;
   const int s = blockIdx.y;
-  const int64_t b = p.token_to_req[r];
-  const bool row_ok = b >= 0 && b < p.requests;
-  const int c_lo = s * chunk;
-  const int c_hi = min(c_lo + chunk, kWidth);
 
-  // ---- Resolve this CTA's columns to cache slots (one pass) ------------------------------
-  // Warp w compacts the valid entries of its column segment, in column order, into its own
-  // region sh.slots[w * seg ...]; token g of the CTA is then found through the warp bases.
-  const int seg = ((c_hi - c_lo + kThreads - 1) / kThreads) * 32;
+  // ---- Everything that does not depend on a load is issued first ------------------------
+  // q (3 x 16 B per lane), token_to_req and this warp's index columns go out together; the
+  // page-table reads follow in one batch; then the K/V of the first pass.
+  const __half* q = static_cast<const __half*>(p.q) + r * kOut;
+  uint4 qraw[kHeads];
+#pragma unroll
+  for (int h = 0; h < kHeads; ++h) qraw[h] = load8_pred<kVec16>(q + h * kHeadDim + lane * 8, true);
+  const int64_t b = ldg32_pred(p.token_to_req + r, true, -1);
+
+  const int c_lo = static_cast<int>((int64_t(s) * kWidth) / splits);
+  const int c_hi = static_cast<int>((int64_t(s + 1) * kWidth) / splits);
+  const int rounds = (c_hi - c_lo + kThreads - 1) / kThreads;  // <= kMaxRounds
+  const int seg = rounds * 32;
   const int seg_lo = c_lo + warp * seg;
   const int seg_hi = min(seg_lo + seg, c_hi);
   const int32_t* idx_row = p.logical_indices + r * p.indices_stride;
+  int32_t li[kMaxRounds];
+#pragma unroll
+  for (int it = 0; it < kMaxRounds; ++it) {
+    const int c = seg_lo + it * 32 + lane;
+    li[it] = ldg32_pred(idx_row + (c < seg_hi ? c : 0), it < rounds && c < seg_hi, -1);
+  }
+  const bool row_ok = b >= 0 && b < p.requests;
   const int32_t* table = p.page_table + (row_ok ? b : 0) * p.page_table_stride;
+  int32_t ph[kMaxRounds];
+#pragma unroll
+  for (int it = 0; it < kMaxRounds; ++it) {
+    const int32_t i = li[it];
+    const bool want = row_ok && i >= 0 && i / kKvPage < p.table_width;
+    ph[it] = ldg32_pred(table + (want ? i / kKvPage : 0), want, -1);
+  }
+  // Warp w compacts the valid entries of its column segment, in column order, into its own
+  // region sh.slots[w * seg ...]; token g of the CTA is then found through the warp bases.
   int count = 0;
-  if (row_ok) {
+  {
     const unsigned lt = (1u << lane) - 1u;
-    for (int c0 = seg_lo; c0 < seg_hi; c0 += 32) {
-      const int c = c0 + lane;
-      bool ok = false;
-      int32_t slot = 0;
-      if (c < seg_hi) {
-        const int32_t i = idx_row[c];
-        if (i >= 0 && i / kKvPage < p.table_width) {
-          const int32_t phys = table[i / kKvPage];
-          if (phys >= 0 && phys < p.pages) {
-            ok = true;
-            slot = phys * kKvPage + (i % kKvPage);  // < P * 512 <= INT32_MAX (checked by caller)
-          }
-        }
+#pragma unroll
+    for (int it = 0; it < kMaxRounds; ++it) {
+      if (it < rounds) {  // warp-uniform
+        const bool ok = ph[it] >= 0 && ph[it] < p.pages;
+        // < P * 512 <= INT32_MAX (checked by the caller)
+        const int32_t slot = ph[it] * kKvPage + (li[it] % kKvPage);
+        const unsigned bits = __ballot_sync(0xffffffffu, ok);
+        if (ok) sh.slots[warp * seg + count + __popc(bits & lt)] = slot;
+        count += __popc(bits);
       }
-      const unsigned bits = __ballot_sync(0xffffffffu, ok);
-      if (ok) sh.slots[warp * seg + count + __popc(bits & lt)] = slot;
-      count += __popc(bits);
     }
   }
   if (lane == 0) sh.warp_count[warp] = count;
@@ -137,15 +182,11 @@ __global__ void __launch_bounds__(kThreads, 2)
     return sh.slots[g + shift];
   };
 
-  // ---- Online softmax: warp w takes tokens it*32 + w*4 + t --------------------------------
+  // ---- Online softmax: warp w takes tokens it*40 + w*5 + t --------------------------------
   // Lane covers dims [8 lane, 8 lane + 8) of every head.
   float qf[kHeads][8];
-  const __half* q = static_cast<const __half*>(p.q) + r * kOut;
 #pragma unroll
-  for (int h = 0; h < kHeads; ++h) {
-    const uint4 raw = load8<kVec16>(q + h * kHeadDim + lane * 8);
-    half8_to_float(raw, qf[h]);
-  }
+  for (int h = 0; h < kHeads; ++h) half8_to_float(qraw[h], qf[h]);
   const float scale_log2 = p.softmax_scale * kLog2e;
   float m[kHeads], l[kHeads], acc[kHeads][8];
 #pragma unroll
@@ -158,18 +199,16 @@ __global__ void __launch_bounds__(kThreads, 2)
   const __half* kv = static_cast<const __half*>(p.kv);
   for (int g0 = warp * kTokensPerWarp; g0 < total; g0 += kWarps * kTokensPerWarp) {
     uint4 kraw[kTokensPerWarp], vraw[kTokensPerWarp];
+    int slot[kTokensPerWarp];
+#pragma unroll
+    for (int t = 0; t < kTokensPerWarp; ++t) slot[t] = g0 + t < total ? slot_of(g0 + t) : 0;
 #pragma unroll
     for (int t = 0; t < kTokensPerWarp; ++t) {
-      if (g0 + t < total) {
-        const __half* tok = kv + int64_t(slot_of(g0 + t)) * kTokenHalves + lane * 8;
-        kraw[t] = load8<kVec16>(tok);
-        vraw[t] = load8<kVec16>(tok + kHeadDim);
-      } else {
-        kraw[t] = make_uint4(0, 0, 0, 0);
-        vraw[t] = make_uint4(0, 0, 0, 0);
-      }
+      const __half* tok = kv + int64_t(slot[t]) * kTokenHalves + lane * 8;
+      kraw[t] = load8_pred<kVec16>(tok, g0 + t < total);
+      vraw[t] = load8_pred<kVec16>(tok + kHeadDim, g0 + t < total);
     }
-    // Partial dots of this lane's 8 dims: value v = t * 3 + h (12 of 16; 12..15 stay 0).
+    // Partial dots of this lane's 8 dims: value v = t * 3 + h (15 of 16; 15 stays 0).
     float part[16];
 #pragma unroll
     for (int v = 0; v < 16; ++v) part[v] = 0.f;
@@ -185,9 +224,9 @@ __global__ void __launch_bounds__(kThreads, 2)
         part[t * kHeads + h] = d0;
       }
     }
-    // NOTES: transposed butterfly: 16 values over 32 lanes in 8+4+2+1+1 = 16 shuffles (12
-    // independent warp_sums would take 60, in chains of 5); lane L ends with the full sum of
-    // value L >> 1, then 12 broadcasts hand every lane all scores.
+    // NOTES: transposed butterfly: 16 values over 32 lanes in 8+4+2+1+1 = 16 shuffles (15
+    // independent warp_sums would take 75, in chains of 5); lane L ends with the full sum of
+    // value L >> 1, then 15 broadcasts hand every lane all scores.
     const float full = warp_reduce16(part, lane);
     float sc[kTokensPerWarp][kHeads];
 #pragma unroll
@@ -204,13 +243,9 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
       for (int t = 0; t < kTokensPerWarp; ++t) m_new = fmaxf(m_new, sc[t][h]);
       const float alpha = exp2f(m[h] - m_new);  // m = -inf the first time: alpha = 0
-      float pr[kTokensPerWarp];
       float psum = 0.f;
 #pragma unroll
-      for (int t = 0; t < kTokensPerWarp; ++t) {
-        pr[t] = exp2f(sc[t][h] - m_new);  // padding tokens: exp2(-inf) = 0
-        psum += pr[t];
-      }
+      for (int t = 0; t < kTokensPerWarp; ++t) psum += exp2f(sc[t][h] - m_new);  // pad: 0
       l[h] = l[h] * alpha + psum;
       m[h] = m_new;
 #pragma unroll
@@ -274,50 +309,107 @@ __global__ void __launch_bounds__(kThreads, 2)
     return;
   }
 
-  // ---- Split rows: publish the partial, the last CTA of the row merges -------------------
-  float* part = parts + (r * splits + s) * kPartStride;
-#pragma unroll
-  for (int h = 0; h < kHeads; ++h) part[h * kHeadDim + tid] = cta_acc[h];
-  if (tid == 0) {
-#pragma unroll
-    for (int h = 0; h < kHeads; ++h) {
-      part[kOut + h] = cta_m[h];
-      part[kOut + kHeads + h] = cta_l[h];
-    }
-  }
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) {
-    const int prev = atomicAdd(&p.counters[r], 1);
-    sh.is_last = prev == splits - 1;
-  }
-  __syncthreads();
-  if (!sh.is_last) return;
-  __threadfence();
-  // The split maxima and sums (6 floats per split) go to shared memory in one round trip;
-  // then each thread merges its 3 outputs with all split loads in flight.
-  const float* row_parts = parts + r * splits * kPartStride;
-  float* ml = &sh.acc[0][0];  // splits * 6 <= 192 floats; sh.acc is free after the CTA merge
-  for (int i = tid; i < splits * 2 * kHeads; i += kThreads) {
-    ml[i] = __ldcg(row_parts + (i / (2 * kHeads)) * kPartStride + kOut + i % (2 * kHeads));
-  }
-  __syncthreads();
+  // ---- Cluster merge through distributed shared memory (rank order) -----------------------
+  // CTA of rank k merges outputs [k*768/csize, (k+1)*768/csize) over the cluster's CTAs.
 #pragma unroll
   for (int h = 0; h < kHeads; ++h) {
-    float mm = -INFINITY;
-    for (int t = 0; t < splits; ++t) mm = fmaxf(mm, ml[t * 2 * kHeads + h]);
-    float ll = 0.f, aa = 0.f;
-    if (mm != -INFINITY) {
-#pragma unroll 8
-      for (int t = 0; t < splits; ++t) {
-        const float f = exp2f(ml[t * 2 * kHeads + h] - mm);
-        ll += ml[t * 2 * kHeads + kHeads + h] * f;
-        aa += __ldcg(row_parts + t * kPartStride + h * kHeadDim + tid) * f;
+    sh.cta_acc[h * kHeadDim + tid] = cta_acc[h];
+    if (tid == h) {
+      sh.cta_m[h] = cta_m[h];
+      sh.cta_l[h] = cta_l[h];
+    }
+  }
+  cluster_arrive_release();
+  cluster_wait_acquire();
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = s % csize;
+  const int cidx = s / csize;
+  const int nclusters = splits / csize;
+  const int o_lo = rank * kOut / csize;
+  const int o_hi = (rank + 1) * kOut / csize;
+  constexpr int kSlice = (kOut + 1) / 2;  // csize >= 2: at most 384 outputs per CTA
+  constexpr int kPer = (kSlice + kThreads - 1) / kThreads;
+  float mo[kPer], lo[kPer], ao[kPer];
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int o = o_lo + tid + u * kThreads;
+    mo[u] = -INFINITY;
+    lo[u] = 0.f;
+    ao[u] = 0.f;
+    if (o < o_hi) {
+      const int h = o / kHeadDim;
+      float mk[kMaxCluster];
+#pragma unroll
+      for (int k = 0; k < kMaxCluster; ++k) {
+        mk[k] = k < csize ? *cluster.map_shared_rank(&sh.cta_m[h], k) : -INFINITY;
+        mo[u] = fmaxf(mo[u], mk[k]);
+      }
+      if (mo[u] != -INFINITY) {
+#pragma unroll
+        for (int k = 0; k < kMaxCluster; ++k) {
+          if (k < csize) {
+            const float f = exp2f(mk[k] - mo[u]);
+            lo[u] += *cluster.map_shared_rank(&sh.cta_l[h], k) * f;
+            ao[u] += *cluster.map_shared_rank(&sh.cta_acc[o], k) * f;
+          }
+        }
       }
     }
-    out[h * kHeadDim + tid] = __float2half_rn(ll > 0.f ? aa / ll : 0.f);
   }
-  if (tid == 0) p.counters[r] = 0;  // ready for the next call (and graph replay)
+  cluster_arrive_release();  // done with the other CTAs' shared memory
+
+  if (nclusters == 1) {
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int o = o_lo + tid + u * kThreads;
+      if (o < o_hi) out[o] = __float2half_rn(lo[u] > 0.f ? ao[u] / lo[u] : 0.f);
+    }
+  } else {
+    // ---- Several clusters: publish the slice; the last cluster for it merges ------------
+    float* part = parts + (r * nclusters + cidx) * kPartStride;
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int o = o_lo + tid + u * kThreads;
+      if (o < o_hi) {
+        part[o] = ao[u];
+        if (o == o_lo || o % kHeadDim == 0) {  // one writer per (slice, head)
+          part[kOut + o / kHeadDim] = mo[u];
+          part[kOut + kHeads + o / kHeadDim] = lo[u];
+        }
+      }
+    }
+    __syncthreads();
+    int32_t* counter = p.counters + r * csize + rank;
+    if (tid == 0) sh.is_last = atomic_add_acq_rel_gpu(counter, 1) == nclusters - 1;
+    __syncthreads();
+    if (sh.is_last) {
+      const float* row_parts = parts + r * nclusters * kPartStride;
+#pragma unroll
+      for (int u = 0; u < kPer; ++u) {
+        const int o = o_lo + tid + u * kThreads;
+        if (o < o_hi) {
+          const int h = o / kHeadDim;
+          float mm = -INFINITY;
+          for (int c = 0; c < nclusters; ++c) {
+            mm = fmaxf(mm, __ldcg(row_parts + c * kPartStride + kOut + h));
+          }
+          float ll = 0.f, aa = 0.f;
+          if (mm != -INFINITY) {
+#pragma unroll 4
+            for (int c = 0; c < nclusters; ++c) {
+              const float* pc = row_parts + c * kPartStride;
+              const float f = exp2f(__ldcg(pc + kOut + h) - mm);
+              ll += __ldcg(pc + kOut + kHeads + h) * f;
+              aa += __ldcg(pc + o) * f;
+            }
+          }
+          out[o] = __float2half_rn(ll > 0.f ? aa / ll : 0.f);
+        }
+      }
+      if (tid == 0) *counter = 0;  // ready for the next call (and graph replay)
+    }
+  }
+  cluster_wait_acquire();  // no CTA leaves while its shared memory may still be read
 }
 
 int sm_count(int device) {
@@ -328,9 +420,18 @@ int sm_count(int device) {
   return sms > 0 ? sms : 132;
 }
 
-int chunk_for(int splits) {
-  const int c = (kWidth + splits - 1) / splits;
-  return ((c + kMinChunk - 1) / kMinChunk) * kMinChunk;
+// CTAs per cluster for a split count: the whole row up to 8 splits, else clusters of 8.
+int cluster_size(int splits) { return splits <= kMaxCluster ? splits : kMaxCluster; }
+
+// Splits the kernel can run for `rows`: 1..8 (one cluster), or a multiple of 8 up to 128
+// when the (row, slice) counters fit.
+int legal_splits(int64_t rows, int sp) {
+  sp = std::max(1, std::min(sp, kMaxSplits));
+  if (sp > kMaxCluster) {
+    if (rows * kMaxCluster > kCounterSlots) return kMaxCluster;
+    sp = (sp / kMaxCluster) * kMaxCluster;
+  }
+  return sp;
 }
 
 }  // namespace attention_impl
@@ -338,38 +439,24 @@ int chunk_for(int splits) {
 using namespace attention_impl;
 
 int attention_splits(int64_t rows, int requested, int device) {
-  if (rows <= 0 || rows > kCounterSlots) return 1;
-  if (requested > 0) {
-    // Only splits whose chunks are all non-empty (chunk_for rounds up to 32 columns).
-    int sp = std::min(requested, kMaxSplits);
-    while (sp > 1 && (kWidth + chunk_for(sp) - 1) / chunk_for(sp) != sp) --sp;
-    return sp;
-  }
-  // NOTES: choose the split that minimises (waves x columns per CTA) + a merge cost of
-  // kMergeCost columns per partial; 2 CTAs of 256 threads fit per SM (register-bound).
-  // R=1 -> 16 splits of 129 columns, R=64 -> 4, R>=264 -> 1 on a 132-SM H200.
-  constexpr int64_t kMergeCost = 8;
-  const int64_t slots = 2 * int64_t(sm_count(device));
-  int best = 1;
-  int64_t best_cost = INT64_MAX;
-  for (int sp = 1; sp <= kMaxSplits; ++sp) {
-    const int c = chunk_for(sp);
-    const int eff = (kWidth + c - 1) / c;  // splits actually populated
-    if (eff != sp) continue;
-    const int64_t waves = (rows * sp + slots - 1) / slots;
-    const int64_t cost = waves * c + (sp > 1 ? kMergeCost * sp : 0);
-    if (cost < best_cost) {
-      best_cost = cost;
-      best = sp;
-    }
-  }
-  return best;
+  if (rows <= 0) return 1;
+  if (requested > 0) return legal_splits(rows, requested);
+  // NOTES: anchored on the L2-cold split sweep of the H200 (NOTES-kernels.md, v6a): the best
+  // grids were 64 CTAs at R=1 (8 clusters of 8), 192 at R=8 (24 splits), 128 at R=64 (2) and
+  // 256 at R=256 (1). Grids near 2 CTAs per SM with clusters (R=8 x 32, R=64 x 4) lost
+  // 20-30%: not every cluster is resident at once. Small batches aim at 1.5 CTAs per SM
+  // (at most 64 splits), larger ones at one CTA per SM; legal_splits rounds down.
+  const int64_t sms = sm_count(device);
+  int64_t sp = rows <= kMaxCluster ? std::min<int64_t>(64, (3 * sms / 2) / rows)
+                                   : std::min<int64_t>(kMaxCluster, sms / rows);
+  sp = std::max<int64_t>(sp, 1);
+  return legal_splits(rows, static_cast<int>(sp));
 }
 
 size_t attention_workspace_bytes(int64_t rows, int requested, int device) {
   const int sp = attention_splits(rows, requested, device);
-  if (sp <= 1) return 0;
-  return static_cast<size_t>(rows) * sp * kPartStride * sizeof(float);
+  if (sp <= kMaxCluster) return 0;
+  return static_cast<size_t>(rows) * (sp / kMaxCluster) * kPartStride * sizeof(float);
 }
 
 int64_t attention_counter_slots() { return kCounterSlots; }
@@ -382,19 +469,34 @@ cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   const int splits = attention_splits(p.rows, p.splits, device);
-  if (splits > 1) {
+  const int csize = cluster_size(splits);
+  if (splits > kMaxCluster) {
     if (p.workspace_bytes < attention_workspace_bytes(p.rows, p.splits, device) ||
         p.counters == nullptr) {
       return cudaErrorInvalidValue;
     }
   }
-  const dim3 grid(static_cast<unsigned>(p.rows), static_cast<unsigned>(splits));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(p.rows), static_cast<unsigned>(splits));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  if (csize > 1) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = static_cast<unsigned>(csize);
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
   float* parts = static_cast<float*>(p.workspace);
   if (detail::aligned16(p.q) && detail::aligned16(p.kv)) {
-    attention_kernel<true><<<grid, kThreads, 0, stream>>>(p, splits, chunk_for(splits), parts);
+    err = cudaLaunchKernelEx(&cfg, attention_kernel<true>, p, splits, csize, parts);
   } else {
-    attention_kernel<false><<<grid, kThreads, 0, stream>>>(p, splits, chunk_for(splits), parts);
+    err = cudaLaunchKernelEx(&cfg, attention_kernel<false>, p, splits, csize, parts);
   }
+  if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
 

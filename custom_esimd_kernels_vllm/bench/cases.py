@@ -27,17 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..qsa_ops.contract import (
-    ATTN_HEADS,
-    CK_PAGE,
-    COMPRESS_RATIO,
-    HEAD_DIM,
-    INDEX_DIM,
-    INDEX_HEADS,
-    KV_PAGE,
-    V_OFFSET,
-    WIDTH,
-)
+from ..qsa_ops import contract
+from ..qsa_ops.reference import visible_tokens
 
 ATTENTION = "attention"
 SELECTION = "selection"
@@ -52,7 +43,7 @@ SCALE_CONTEXTS = (8 * 1024, 32 * 1024, 128 * 1024)
 # most 513 MiB) still land on random pages, so the cap changes neither the bytes a kernel
 # must read nor its access pattern.
 ATTENTION_POOL_CAP = 4096
-SEED_ATTENTION_CONTEXT = 8 * KV_PAGE  # qsa_ops.testing's valid-width cases: 8 pages
+SEED_ATTENTION_CONTEXT = 8 * contract.KV_PAGE  # qsa_ops.testing's valid-width cases: 8 pages
 SEED_P8192_POOL = 8192
 
 
@@ -66,7 +57,7 @@ class CaseSpec:
     name: str
     rows: int
     context: int
-    width: int = WIDTH  # attention: valid entries per row (the rest are -1 holes)
+    width: int = contract.WIDTH  # attention: valid entries per row (the rest are -1 holes)
     pool_pages: int | None = None  # physical pages P; None = derived (see builders)
     profile: bool = False  # capture the profiler counts on this case
     # the kernels' performance table: the latency target (graph replay, median, µs) of the
@@ -102,12 +93,14 @@ def _ctx_label(tokens: int) -> str:
 
 
 def seed_cases() -> list[CaseSpec]:
+    full = contract.WIDTH
     attention = [
         CaseSpec(
             ATTENTION, "seed", f"seed R=1 width {w}", 1, SEED_ATTENTION_CONTEXT, width=w,
-            profile=(w == WIDTH), target_us=5.0 if w == WIDTH else None, testing_case=testing_name,
+            profile=(w == full), target_us=5.0 if w == full else None, testing_case=testing_name,
         )
-        for w, testing_name in ((32, "valid_width_32"), (1024, "full_width_2051"), (WIDTH, "full_width_2051"))
+        for w, testing_name in ((32, "valid_width_32"), (1024, "full_width_2051"),
+                                (full, "full_width_2051"))
     ]  # fmt: skip
     selection = [
         CaseSpec(
@@ -116,8 +109,8 @@ def seed_cases() -> list[CaseSpec]:
         ),
         CaseSpec(
             SELECTION, "seed", "seed P8192 saturated (2303 blocks / 2051 tokens)", 1,
-            2303 * COMPRESS_RATIO + 3, pool_pages=SEED_P8192_POOL, profile=True, target_us=8.0,
-            testing_case="p8192_saturated",
+            2303 * contract.COMPRESS_RATIO + 3, pool_pages=SEED_P8192_POOL, profile=True,
+            target_us=8.0, testing_case="p8192_saturated",
         ),
     ]  # fmt: skip
     return attention + selection
@@ -161,10 +154,16 @@ def quick_cases() -> list[CaseSpec]:
     ]
 
 
+def target_cases() -> list[CaseSpec]:
+    """The performance-table cases only (the timing section of the GPU validation record)."""
+    return [c for c in seed_cases() + scale_cases() if c.target]
+
+
 GRIDS = {
     "default": lambda: seed_cases() + scale_cases(),
     "seed": seed_cases,
     "scale": scale_cases,
+    "targets": target_cases,
     "quick": quick_cases,
 }
 
@@ -212,11 +211,16 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
 def packed_kv_views(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact-packed K and V views [P, 512, 1, 256] of a [P, 512, 512] buffer."""
     pages = kv.shape[0]
-    shape = (pages, KV_PAGE, 1, HEAD_DIM)
-    strides = (KV_PAGE * 2 * HEAD_DIM, 2 * HEAD_DIM, HEAD_DIM, 1)
+    shape = (pages, contract.KV_PAGE, 1, contract.HEAD_DIM)
+    strides = (
+        contract.KV_PAGE * 2 * contract.HEAD_DIM,
+        2 * contract.HEAD_DIM,
+        contract.HEAD_DIM,
+        1,
+    )
     base = kv.storage_offset()
     k = kv.as_strided(shape, strides, base)
-    v = kv.as_strided(shape, strides, base + V_OFFSET)
+    v = kv.as_strided(shape, strides, base + contract.V_OFFSET)
     return k, v
 
 
@@ -251,7 +255,7 @@ def random_distinct_tokens(
 
 
 def _pages_for(tokens: int) -> int:
-    return max(1, -(-tokens // KV_PAGE))
+    return max(1, -(-tokens // contract.KV_PAGE))
 
 
 def build_attention(spec: CaseSpec, device: torch.device, seed: int = 0) -> CaseInputs:
@@ -261,20 +265,24 @@ def build_attention(spec: CaseSpec, device: torch.device, seed: int = 0) -> Case
     pool = spec.pool_pages or min(requests * pages_per_request, ATTENTION_POOL_CAP)
     pool = max(pool, pages_per_request)
     half = torch.float16
-    kv = torch.randn(pool, KV_PAGE, 2 * HEAD_DIM, generator=g, device=device, dtype=half)
+    kv = torch.randn(
+        pool, contract.KV_PAGE, 2 * contract.HEAD_DIM, generator=g, device=device, dtype=half
+    )
     k_cache, v_cache = packed_kv_views(kv)
-    indices = torch.full((rows, WIDTH), -1, dtype=torch.int32, device=device)
+    indices = torch.full((rows, contract.WIDTH), -1, dtype=torch.int32, device=device)
     tokens = random_distinct_tokens(rows, spec.width, spec.context, g, device)
     indices[:, : spec.width] = tokens.to(torch.int32)
     tensors = {
-        "q": torch.randn(rows, ATTN_HEADS, HEAD_DIM, generator=g, device=device, dtype=half),
+        "q": torch.randn(
+            rows, contract.ATTN_HEADS, contract.HEAD_DIM, generator=g, device=device, dtype=half
+        ),
         "kv": kv,
         "k_cache": k_cache,
         "v_cache": v_cache,
         "logical_indices": indices,
         "page_table": random_page_table(requests, pages_per_request, pool, g, device),
         "token_to_req": torch.arange(rows, dtype=torch.int32, device=device),
-        "out": torch.empty(rows, ATTN_HEADS, HEAD_DIM, dtype=half, device=device),
+        "out": torch.empty(rows, contract.ATTN_HEADS, contract.HEAD_DIM, dtype=half, device=device),
     }
     return CaseInputs(ATTENTION, tensors, "kv")
 
@@ -286,15 +294,17 @@ def build_selection(spec: CaseSpec, device: torch.device, seed: int = 0) -> Case
     pool = max(spec.pool_pages or requests * pages_per_request, pages_per_request)
     half = torch.float16
     tensors = {
-        "q": torch.randn(rows, INDEX_HEADS, INDEX_DIM, generator=g, device=device, dtype=half),
+        "q": torch.randn(
+            rows, contract.INDEX_HEADS, contract.INDEX_DIM, generator=g, device=device, dtype=half
+        ),
         "compressed_key_cache": torch.randn(
-            pool, CK_PAGE, 1, INDEX_DIM, generator=g, device=device, dtype=half
+            pool, contract.CK_PAGE, 1, contract.INDEX_DIM, generator=g, device=device, dtype=half
         ),
         "page_table": random_page_table(requests, pages_per_request, pool, g, device),
         "token_to_req": torch.arange(rows, dtype=torch.int32, device=device),
         "query_positions": torch.full((rows,), spec.context - 1, dtype=torch.int64, device=device),
         "sequence_lengths": torch.full((requests,), spec.context, dtype=torch.int32, device=device),
-        "out": torch.empty(rows, WIDTH, dtype=torch.int32, device=device),
+        "out": torch.empty(rows, contract.WIDTH, dtype=torch.int32, device=device),
     }
     return CaseInputs(SELECTION, tensors, "compressed_key_cache")
 
@@ -307,8 +317,8 @@ def build_seed(spec: CaseSpec, device: torch.device, seed: int = 0) -> CaseInput
         case = testing.make_attention_case(spec.testing_case, spec.rows, device, seed)
         pages = case.k_cache.shape[0]
         lead = case.k_cache.storage_offset()
-        kv = case.kv[lead : lead + pages * KV_PAGE * 2 * HEAD_DIM].view(
-            pages, KV_PAGE, 2 * HEAD_DIM
+        kv = case.kv[lead : lead + pages * contract.KV_PAGE * 2 * contract.HEAD_DIM].view(
+            pages, contract.KV_PAGE, 2 * contract.HEAD_DIM
         )
         indices = case.logical_indices.clone()
         indices[:, spec.width :] = -1  # width 1024: the full-width case cut to 1024 entries
@@ -336,3 +346,214 @@ def build(spec: CaseSpec, device: torch.device, seed: int = 0) -> CaseInputs:
         return build_seed(spec, device, seed)
     builder = build_attention if spec.op == ATTENTION else build_selection
     return builder(spec, device, seed)
+
+
+# ----------------------------------------------------------------------------------------
+# the decode step: the layer's whole QSA path (cache update, selection, attention)
+# ----------------------------------------------------------------------------------------
+
+DECODE_ROWS = (1, 8, 64)
+DECODE_LAYERS = 8
+# 32K tokens per request; a multiple of 4, so that every row's new token completes a block
+# and the cache update refreshes one compressed key per row (its worst case)
+DECODE_CONTEXT = 32 * 1024
+
+
+def build_decode(
+    rows: int, context: int, layers: int, device: torch.device, seed: int = 0
+) -> dict[str, object]:
+    """One decode step of ``rows`` requests (one new token each, at position context - 1) over
+    ``layers`` layers, each with its own caches: ``{"shared": metadata, "layers": [...]}``.
+    Requests own distinct pages; the K/V pages and the compressed-key pages share the page
+    table (page x holds tokens 512x.. and their 128 compressed keys)."""
+    device = torch.device(device)
+    g = _generator(device, seed)
+    half = torch.float16
+    pages_per_request = _pages_for(context)
+    pool = rows * pages_per_request
+    table = random_page_table(rows, pages_per_request, pool, g, device)
+    pos = context - 1
+    page = table[:, pos // contract.KV_PAGE].long()
+    offset = pos % contract.KV_PAGE
+    completes = pos % contract.COMPRESS_RATIO == contract.COMPRESS_RATIO - 1
+    ck_slot = page * contract.CK_PAGE + offset // contract.COMPRESS_RATIO
+    shared = {
+        "page_table": table,
+        "token_to_req": torch.arange(rows, dtype=torch.int32, device=device),
+        "query_positions": torch.full((rows,), pos, dtype=torch.int64, device=device),
+        "sequence_lengths": torch.full((rows,), context, dtype=torch.int32, device=device),
+        "slot_mapping": (page * contract.KV_PAGE + offset).contiguous(),
+        "compressed_slot_mapping": ck_slot if completes else torch.full_like(ck_slot, -1),
+        "indices": torch.full((rows, contract.WIDTH), -1, dtype=torch.int32, device=device),
+    }
+    per_layer = []
+    for _ in range(layers):
+        kv = torch.randn(
+            pool, contract.KV_PAGE, 2 * contract.HEAD_DIM, generator=g, device=device, dtype=half
+        )
+        k_cache, v_cache = packed_kv_views(kv)
+
+        def rand(*shape, dtype=half):
+            return torch.randn(*shape, generator=g, device=device, dtype=dtype)
+
+        per_layer.append({
+            "kv": kv, "k_cache": k_cache, "v_cache": v_cache,
+            "compressed_key_cache": rand(pool, contract.CK_PAGE, 1, contract.INDEX_DIM),
+            "index_wk": rand(contract.INDEX_DIM, contract.HEAD_DIM, dtype=torch.float32),
+            "key": rand(rows, contract.HEAD_DIM),
+            "value": rand(rows, contract.HEAD_DIM),
+            "q_index": rand(rows, contract.INDEX_HEADS, contract.INDEX_DIM),
+            "q": rand(rows, contract.ATTN_HEADS, contract.HEAD_DIM),
+            "out": torch.empty(rows, contract.ATTN_HEADS, contract.HEAD_DIM, device=device,
+                               dtype=half),
+        })  # fmt: skip
+    return {"shared": shared, "layers": per_layer}
+
+
+# ----------------------------------------------------------------------------------------
+# the memory floor
+# ----------------------------------------------------------------------------------------
+
+# The memory floor: the bytes one call must move, over the copy bandwidth of the device.
+#
+# What is counted (each input read once, the output written once):
+#
+# attention
+#     q (R x 3 x 256 x 2 B), the selected tokens' K and V (1 KiB per token: 256 + 256 float16),
+#     counted once per **distinct physical token** of the call (a token listed twice, or by two
+#     rows, is read once by an ideal kernel), the indices (R x 2051 x 4 B), the page table
+#     (B x M x 4 B, all of it), token_to_req (R x 4 B); written: out (R x 3 x 256 x 2 B).
+# selection
+#     q (R x 4 x 128 x 2 B), the usable compressed keys (256 B each), once per **distinct
+#     physical key** of the call (rows of one request share their keys), the page table
+#     (B x M x 4 B), token_to_req (R x 4 B), query_positions (R x 8 B), sequence_lengths
+#     (B x 4 B); written: out (R x 2051 x 4 B).
+#
+# The floor time is ``bytes / bandwidth`` with the bandwidth of a large device-to-device copy
+# measured in the same run, counted as bytes read + bytes written. "% of floor" is
+# ``floor time / measured time``: 100 % is a kernel that streams its bytes at copy speed.
+
+KV_TOKEN_BYTES = 2 * contract.HEAD_DIM * 2  # K and V halves of one token, float16: 1 KiB
+KEY_BYTES = contract.INDEX_DIM * 2  # one compressed key, float16: 256 B
+
+
+@dataclass(frozen=True)
+class FloorBytes:
+    read: dict[str, int]
+    written: dict[str, int]
+    counts: dict[str, int]  # the token/key counts behind the byte figures
+
+    @property
+    def total(self) -> int:
+        return sum(self.read.values()) + sum(self.written.values())
+
+    def seconds(self, bandwidth_bytes_per_s: float) -> float:
+        return self.total / bandwidth_bytes_per_s
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "read": self.read,
+            "written": self.written,
+            "counts": self.counts,
+            "total": self.total,
+        }
+
+
+def attention_bytes(rows: int, requests: int, max_pages: int, distinct_tokens: int) -> FloorBytes:
+    return FloorBytes(
+        read={
+            "q": rows * contract.ATTN_HEADS * contract.HEAD_DIM * 2,
+            "kv_tokens": distinct_tokens * KV_TOKEN_BYTES,
+            "logical_indices": rows * contract.WIDTH * 4,
+            "page_table": requests * max_pages * 4,
+            "token_to_req": rows * 4,
+        },
+        written={"out": rows * contract.ATTN_HEADS * contract.HEAD_DIM * 2},
+        counts={"distinct_tokens": distinct_tokens},
+    )
+
+
+def selection_bytes(rows: int, requests: int, max_pages: int, distinct_keys: int) -> FloorBytes:
+    return FloorBytes(
+        read={
+            "q": rows * contract.INDEX_HEADS * contract.INDEX_DIM * 2,
+            "compressed_keys": distinct_keys * KEY_BYTES,
+            "page_table": requests * max_pages * 4,
+            "token_to_req": rows * 4,
+            "query_positions": rows * 8,
+            "sequence_lengths": requests * 4,
+        },
+        written={"out": rows * contract.WIDTH * 4},
+        counts={"distinct_keys": distinct_keys},
+    )
+
+
+def _request_of_rows(
+    token_to_req: torch.Tensor, requests: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b = token_to_req.long()
+    return (b >= 0) & (b < requests), b.clamp(0, max(requests - 1, 0))
+
+
+def count_attention_tokens(t: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """(distinct physical tokens, valid entries counted per occurrence) of one call."""
+    table = t["page_table"].long()
+    requests, max_pages = table.shape
+    pages = t["k_cache"].shape[0]
+    if requests == 0 or max_pages == 0:
+        return 0, 0
+    ok_req, b = _request_of_rows(t["token_to_req"], requests)
+    idx = t["logical_indices"].long()
+    page = torch.div(idx, contract.KV_PAGE, rounding_mode="floor")
+    valid = (idx >= 0) & (page < max_pages) & ok_req[:, None]
+    phys = table[b[:, None], page.clamp(0, max_pages - 1)]
+    valid &= (phys >= 0) & (phys < pages)
+    token_id = phys * contract.KV_PAGE + idx.clamp_min(0) % contract.KV_PAGE
+    return int(torch.unique(token_id[valid]).numel()), int(valid.sum())
+
+
+def count_selection_keys(
+    t: dict[str, torch.Tensor], chunk_elements: int = 1 << 24
+) -> tuple[int, int]:
+    """(distinct physical keys, usable blocks summed over rows) of one call."""
+    table = t["page_table"].long()
+    requests, max_pages = table.shape
+    pages = t["compressed_key_cache"].shape[0]
+    rows = t["q"].shape[0]
+    if requests == 0 or max_pages == 0 or rows == 0:
+        return 0, 0
+    ok_req, b = _request_of_rows(t["token_to_req"], requests)
+    n = visible_tokens(t["query_positions"], t["sequence_lengths"].long()[b])
+    nb = torch.where(ok_req, n // contract.COMPRESS_RATIO, 0)
+    blocks = max_pages * contract.CK_PAGE
+    j = torch.arange(blocks, device=table.device)
+    ids, usable_total = [], 0
+    step = max(1, chunk_elements // blocks)
+    for start in range(0, rows, step):
+        s = slice(start, min(rows, start + step))
+        phys = table[b[s]].repeat_interleave(contract.CK_PAGE, dim=1)  # [C, M * 128]
+        usable = (j < nb[s, None]) & (phys >= 0) & (phys < pages)
+        key_id = phys * contract.CK_PAGE + j % contract.CK_PAGE
+        ids.append(torch.unique(key_id[usable]))
+        usable_total += int(usable.sum())
+    distinct = int(torch.unique(torch.cat(ids)).numel()) if ids else 0
+    return distinct, usable_total
+
+
+def floor_bytes(op: str, t: dict[str, torch.Tensor]) -> FloorBytes:
+    rows = t["q"].shape[0]
+    requests, max_pages = t["page_table"].shape
+    if op == ATTENTION:
+        distinct, occurrences = count_attention_tokens(t)
+        fb = attention_bytes(rows, requests, max_pages, distinct)
+        fb.counts["valid_entries"] = occurrences
+    else:
+        distinct, usable = count_selection_keys(t)
+        fb = selection_bytes(rows, requests, max_pages, distinct)
+        fb.counts["usable_blocks"] = usable
+    return fb
+
+
+def percent_of_floor(floor_seconds: float, measured_seconds: float) -> float:
+    """floor / measured, in percent (100 % = at copy bandwidth)."""
+    return 100.0 * floor_seconds / measured_seconds if measured_seconds > 0 else float("nan")

@@ -1,14 +1,35 @@
-"""The three result files: JSON (everything, every raw sample), a Markdown table, a PNG plot."""
+"""The result files: JSON (everything, every raw sample), a Markdown report, a PNG plot, and
+the timing section of the GPU validation record (``--validation PATH``).
+
+Results are committed, so nothing here writes a machine path (``strip_paths``). This module
+reads only the results dictionary: it imports nothing else of the benchmark.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import re
+import traceback
 from pathlib import Path
 
-from .impls import ALL
-
 MODES = ("graph", "eager")
+VALIDATION_SCHEMA = "qsa-bench-validation/1"
+
+
+def strip_paths(text: str) -> str:
+    """``/any/dir/file.py`` -> ``file.py``: results are committed and must not carry machine
+    paths, and messages of torch or of the loader may."""
+    return re.sub(r"(?<![\w.])/(?:[\w.+-]+/)+", "", text)
+
+
+def format_error(exc: BaseException) -> str:
+    """``Type: message`` and the innermost frames as ``file.py:line in function`` (file names
+    only)."""
+    frames = traceback.extract_tb(exc.__traceback__)[-4:]
+    where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in reversed(frames))
+    message = strip_paths(f"{type(exc).__name__}: {exc}")[:1500]
+    return message + (f" (at {where})" if where else "")
 
 
 def _us(seconds: float | None) -> str:
@@ -18,10 +39,21 @@ def _us(seconds: float | None) -> str:
     return f"{us:.1f}" if us < 1000 else f"{us:,.0f}"
 
 
+def _num(us: float | None) -> str:
+    return _us(None if us is None else us * 1e-6)
+
+
 def _pct(x: float | None) -> str:
     if x is None or not math.isfinite(x):
         return "–"
     return f"{x:.0f} %" if x >= 10 else f"{x:.2g} %"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return lines + ["| " + " | ".join(r) + " |" for r in rows]
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -30,123 +62,185 @@ def write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-def _impls_present(cases: list[dict]) -> list[str]:
+def _order(data: dict) -> list[str]:
+    """Implementation names in candidate-preference order (the run's --impls, which the CLI
+    writes in bench.impls.ALL order), then any other name measured."""
+    order = list(data.get("config", {}).get("impls") or [])
+    seen = [
+        n for c in data["cases"] for m in c.get("modes", {}).values() for n in m.get("latency", {})
+    ]
+    return order + sorted(set(seen) - set(order))
+
+
+def _impls_present(cases: list[dict], order: list[str]) -> list[str]:
     seen = {n for c in cases for m in c.get("modes", {}).values() for n in m.get("latency", {})}
-    return [n for n in ALL if n in seen]
+    return [n for n in order if n in seen]
 
 
-def _latency_table(cases: list[dict], mode: str) -> list[str]:
-    names = _impls_present(cases)
-    rows = [c for c in cases if mode in c.get("modes", {})]
-    if not rows or not names:
-        return []
+def _median(case: dict, mode: str, name: str) -> float | None:
+    s = case.get("modes", {}).get(mode, {}).get("latency", {}).get(name)
+    return s["median"] if s else None
+
+
+def _best_mode(case: dict) -> str | None:
+    return next((m for m in MODES if m in case.get("modes", {})), None)
+
+
+def _ratio(num: float | None, den: float | None) -> str:
+    return f" ({num / den:.1f}x)" if num and den else ""
+
+
+def _latency_table(cases: list[dict], mode: str, order: list[str]) -> list[str]:
+    names = _impls_present(cases, order)
     head = ["op", "case", "R", "floor µs"] + [f"{n} µs" for n in names] + ["candidate % of floor"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for c in rows:
+    rows = []
+    for c in cases:
+        if mode not in c.get("modes", {}):
+            continue
         m = c["modes"][mode]
-        cells = [
-            c["spec"]["op"],
-            c["spec"]["name"],
-            str(c["spec"]["rows"]),
-            _us(c["floor"]["seconds"]),
-        ]
+        cells = [c["spec"]["op"], c["spec"]["name"], str(c["spec"]["rows"]),
+                 _us(c["floor"]["seconds"])]  # fmt: skip
         for n in names:
             s = m["latency"].get(n)
             cells.append(f"{_us(s['median'])} [{_us(s['p10'])}–{_us(s['p90'])}]" if s else "–")
         cand = m["candidate"]
         cells.append(f"{_pct(m['pct_of_floor'].get(cand))} ({cand})")
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append(cells)
+    return _table(head, rows)
 
 
 def _target_table(cases: list[dict]) -> list[str]:
-    """The kernels' performance-table cases: the kernel's median against its target and
-    the references of the same run (CUDA-graph replay where measured, else eager)."""
-    head = ["op", "case", "mode", "target µs", "kernel µs", "met", "ref-compiled µs",
-            "ref-vectorised µs", "kernel % of floor"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    count = 0
+    """The kernels' performance-table cases: the kernel's median against its target, upstream
+    and the references of the same run (CUDA-graph replay where measured, else eager)."""
+    head = ["op", "case", "mode", "target µs", "kernel µs", "met", "upstream µs",
+            "ref-compiled µs", "ref-vectorised µs", "kernel % of floor"]  # fmt: skip
+    rows = []
     for c in cases:
-        target = c["spec"].get("target_us")
-        modes = c.get("modes", {})
-        mode = next((m for m in MODES if m in modes), None)
+        target, mode = c["spec"].get("target_us"), _best_mode(c)
         if target is None or mode is None:
             continue
-        m = modes[mode]
-        lat = m["latency"]
-
-        def med(name, lat=lat):
-            return lat[name]["median"] if name in lat else None
-
-        kernel = med("kernel")
+        kernel = _median(c, mode, "kernel")
         met = "–" if kernel is None else ("yes" if kernel * 1e6 <= target else "no")
-        ratios = {n: f" ({med(n) / kernel:.1f}x)" if kernel and med(n) else "" for n in lat}
-        count += 1
-        lines.append(
-            "| " + " | ".join([
-                c["spec"]["op"], c["spec"]["name"], mode, f"{target:g}", _us(kernel), met,
-                _us(med("ref-compiled")) + ratios.get("ref-compiled", ""),
-                _us(med("ref-vectorised")) + ratios.get("ref-vectorised", ""),
-                _pct(m["pct_of_floor"].get("kernel")),
-            ]) + " |"
-        )  # fmt: skip
-    return lines if count else []
+        cells = [c["spec"]["op"], c["spec"]["name"], mode, f"{target:g}", _us(kernel), met]
+        for n in ("upstream", "ref-compiled", "ref-vectorised"):
+            cells.append(_us(_median(c, mode, n)) + _ratio(_median(c, mode, n), kernel))
+        cells.append(_pct(c["modes"][mode]["pct_of_floor"].get("kernel")))
+        rows.append(cells)
+    return _table(head, rows)
+
+
+def _quoted_topk(c: dict, data: dict) -> float | None:
+    q = data.get("upstream", {}).get("quoted_topk_us", {})
+    blocks = c.get("floor", {}).get("counts", {}).get("usable_blocks", 0) // max(
+        1, c["spec"]["rows"]
+    )
+    return q.get(f"{c['spec']['rows']}x{blocks}")
+
+
+def _upstream_table(cases: list[dict], data: dict) -> list[str]:
+    """Ours against vLLM's kernels, case by case (graph replay where measured)."""
+    up = data.get("upstream", {})
+    stand_in = not up.get("compiled_topk", False)
+    head = ["op", "case", "mode", "kernel µs", "upstream µs", "upstream / kernel"]
+    head += ["upstream-score µs", "quoted compiled top-k µs", "score + quoted top-k µs"]
+    rows = []
+    for c in cases:
+        mode = _best_mode(c)
+        if mode is None:
+            continue
+        kernel, upstream = _median(c, mode, "kernel"), _median(c, mode, "upstream")
+        if upstream is None:
+            continue
+        score = _median(c, mode, "upstream-score")
+        quoted = _quoted_topk(c, data) if stand_in and c["spec"]["op"] == "selection" else None
+        est = score * 1e6 + quoted if score is not None and quoted is not None else None
+        ratio = f"{upstream / kernel:.2f}x" if kernel else "–"
+        est_ratio = f" ({est / (kernel * 1e6):.2f}x)" if est and kernel else ""
+        rows.append([c["spec"]["op"], c["spec"]["name"], mode, _us(kernel), _us(upstream), ratio,
+                     _us(score), _num(quoted), _num(est) + est_ratio])  # fmt: skip
+    return _table(head, rows)
 
 
 def _comparison_table(cases: list[dict]) -> list[str]:
-    head = [
-        "op",
-        "case",
-        "mode",
-        "candidate vs baseline",
-        "speedup [p10–p90]",
-        "wins",
-        "baseline drift",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    count = 0
+    head = ["op", "case", "mode", "candidate vs baseline", "speedup [p10–p90]", "wins",
+            "baseline drift"]  # fmt: skip
+    rows = []
     for c in cases:
         for mode in MODES:
             for comp in c.get("modes", {}).get(mode, {}).get("comparisons", []):
-                count += 1
-                lines.append(
-                    "| " + " | ".join([
-                        c["spec"]["op"], c["spec"]["name"], mode,
-                        f"{comp['candidate']} vs {comp['baseline']}",
-                        f"{comp['speedup_median']:.2f}x [{comp['speedup_p10']:.2f}–{comp['speedup_p90']:.2f}]",
-                        f"{comp['wins']}/{comp['pairs']}",
-                        f"{comp['drift_pct']:+.2f} %",
-                    ]) + " |"
-                )  # fmt: skip
-    return lines if count else []
+                rows.append([
+                    c["spec"]["op"], c["spec"]["name"], mode,
+                    f"{comp['candidate']} vs {comp['baseline']}",
+                    f"{comp['speedup_median']:.2f}x [{comp['speedup_p10']:.2f}–"
+                    f"{comp['speedup_p90']:.2f}]",
+                    f"{comp['wins']}/{comp['pairs']}", f"{comp['drift_pct']:+.2f} %",
+                ])  # fmt: skip
+    return _table(head, rows)
 
 
 def _profile_table(cases: list[dict]) -> list[str]:
-    head = [
-        "op",
-        "case",
-        "implementation",
-        "device kernels",
-        "memcpy DtoH",
-        "host-sync ops",
-        "CPU events",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    count = 0
+    head = ["op", "case", "implementation", "device kernels", "memcpy DtoH", "host-sync ops",
+            "CPU events", "kernels (launches, device µs)"]  # fmt: skip
+    rows = []
     for c in cases:
         for name, p in c.get("profile", {}).items():
-            count += 1
             if "error" in p:
-                cells = ["error"] * 4
+                cells = ["error"] * 5
             else:
-                cells = [
-                    str(p[k])
-                    for k in ("device_kernels", "memcpy_dtoh", "host_sync_ops", "cpu_events")
-                ]
-            lines.append(
-                "| " + " | ".join([c["spec"]["op"], c["spec"]["name"], name, *cells]) + " |"
-            )
-    return lines if count else []
+                cells = [str(p[k]) for k in ("device_kernels", "memcpy_dtoh", "host_sync_ops",
+                                             "cpu_events")]  # fmt: skip
+                top = p.get("top_kernels", [])[:3]
+                cells.append("; ".join(f"`{t[0][:40]}` {t[1]}x {t[2]:.1f}" for t in top
+                                       if len(t) > 2) or "–")  # fmt: skip
+            rows.append([c["spec"]["op"], c["spec"]["name"], name, *cells])
+    return _table(head, rows)
+
+
+def _host_table(h: dict) -> list[str]:
+    head = ["call", "host µs per call", "ratio to add_", "target"]
+    rows = [["`Tensor.add_` (device tensor)", _num(h["aten_add_us"]), "1.0", ""]]
+    for key, label in (("select", "select_paged_tokens"), ("attention", "sparse_paged_attention")):
+        ratio = h[f"{key}_ratio"]
+        met = "met" if ratio <= h["target_ratio"] else "missed"
+        rows.append([f"`qsa_ops.{label}` ({h.get(f'{key}_case', '')})", _num(h[f"{key}_eager_us"]),
+                     f"{ratio:.2f}", f"<= {h['target_ratio']:g}: {met}"])  # fmt: skip
+    return _table(head, rows)
+
+
+def _decode_table(d: dict) -> list[str]:
+    head = ["R", "eager host µs/layer", "eager GPU µs/layer", "graph GPU µs/layer",
+            "graph host µs/layer", "update + select + attention (graph, alone) µs/layer",
+            "graph / kernel sum", "targets"]  # fmt: skip
+    t = d["targets"]
+    rows = []
+    for e in d.get("rows", []):
+        if "error" in e:
+            rows.append([str(e["rows"]), f"error: {e['error'][:160]}"] + [""] * 6)
+            continue
+        eager, graph = e.get("eager", {}), e.get("graph")
+        targets = [f"eager host <= {t['eager_host_us_per_layer']:g}: "
+                   + ("met" if eager.get("met") else "missed")]  # fmt: skip
+        if graph:
+            alone = graph["ops_alone_us_per_layer"]
+            parts = " + ".join(_num(alone[k]) for k in ("update", "select", "attention"))
+            sum_cell = f"{parts} = {_num(graph['kernel_sum_us_per_layer'])}"
+            targets.append(f"graph <= {t['graph_step_over_kernel_sum']:g}x: "
+                           + ("met" if graph["met"] else "missed"))  # fmt: skip
+            cells = [_num(graph["gpu_us_per_layer"]), _num(graph["host_us_per_layer"]), sum_cell,
+                     f"{graph['ratio']:.2f}x"]  # fmt: skip
+        else:
+            cells = ["–", "–", "–", "–"]
+        rows.append([str(e["rows"]), _num(eager.get("host_us_per_layer")),
+                     _num(eager.get("gpu_us_per_layer")), *cells, "; ".join(targets)])  # fmt: skip
+    return _table(head, rows)
+
+
+def _sweep_table(s: dict) -> list[str]:
+    splits = sorted({int(k) for r in s.get("rows", []) for k in r["us"]})
+    head = ["R", "auto"] + [f"{k} µs" for k in splits]
+    rows = [[str(r["rows"]), str(r["auto"])] + [_num(r["us"].get(str(k))) for k in splits]
+            for r in s.get("rows", [])]  # fmt: skip
+    return _table(head, rows)
 
 
 def _checks(cases: list[dict]) -> list[str]:
@@ -154,13 +248,27 @@ def _checks(cases: list[dict]) -> list[str]:
     for c in cases:
         for name, info in c.get("impls", {}).items():
             chk = info.get("check")
+            where = f"{c['spec']['op']} / {c['spec']['name']} / {name}"
             if "error" in info:
-                out.append(f"- {c['spec']['op']} / {c['spec']['name']} / {name}: **error** — "
-                           f"`{info['error'].splitlines()[-1][:200]}`")  # fmt: skip
+                out.append(f"- {where}: **error** — `{info['error'].splitlines()[-1][:200]}`")
             elif chk and not chk.get("ok"):
-                out.append(f"- {c['spec']['op']} / {c['spec']['name']} / {name}: disagrees with "
-                           f"the reference: {chk}")  # fmt: skip
+                out.append(f"- {where}: disagrees with the reference: {chk}")
     return out
+
+
+def _upstream_line(data: dict) -> str:
+    up = data.get("upstream")
+    if not up:
+        return ""
+    if not up.get("available"):
+        return f"Upstream (vLLM's own kernels): **skipped** — {up.get('skip')}."
+    line = (f"Upstream: vLLM {up.get('version')}'s Triton kernels from {up.get('source')}, "
+            f"bfloat16 (same bytes as our float16); top-k: {up.get('topk')}.")  # fmt: skip
+    if not up.get("compiled_topk"):
+        line += (f" Quoted compiled top-k figures: {up.get('quoted_topk_source')}: "
+                 + ", ".join(f"{k} blocks {v} µs" for k, v in up.get("quoted_topk_us", {}).items())
+                 + ".")  # fmt: skip
+    return line
 
 
 def markdown(data: dict) -> str:
@@ -178,33 +286,48 @@ def markdown(data: dict) -> str:
         f"Protocol: {cfg['warmup_units']} excluded warm-up units, {cfg['pairs']} B/C/B pairs per "
         f"comparison, about {cfg['unit_s'] * 1e3:g} ms per unit (calls per unit in the JSON); "
         f"latency = median per call [p10–p90]; inputs rotated over copies touching "
-        f"{cfg['rotation_factor']:g}x the {cfg['cache_bytes'] / 2**20:.0f} MiB cache where memory allows. "
-        f"Floor = bytes moved / copy bandwidth "
+        f"{cfg['rotation_factor']:g}x the {cfg['cache_bytes'] / 2**20:.0f} MiB cache where memory "
+        f"allows. Floor = bytes moved / copy bandwidth "
         f"({bw.get('bandwidth_bytes_per_s', float('nan')) / 1e9:.0f} GB/s, read + written, "
         f"measured in this run).",
         "",
     ]
-    targets = _target_table(cases)
-    if targets:
-        lines += ["## Performance-table cases", "",
-                  "Median per call; in brackets the reference's time over the kernel's.", "",
-                  *targets, ""]  # fmt: skip
-    for mode, title in (
-        ("graph", "CUDA-graph replay"),
-        ("eager", "Eager (host overhead included)"),
-    ):
-        table = _latency_table(cases, mode)
+    if _upstream_line(data):
+        lines += [_upstream_line(data), ""]
+    order = _order(data)
+    sections = [
+        ("Performance-table cases", "Median per call; in brackets the baseline's time over the "
+         "kernel's.", _target_table(cases)),
+        ("Against upstream (vLLM 0.32.0)", "upstream / kernel > 1: ours is faster. Selection: "
+         "upstream = its scoring + its top-k (see the top-k line above); the quoted compiled "
+         "top-k is added to the measured scoring where the compiled op could not run.",
+         _upstream_table(cases, data)),
+        ("Latency — CUDA-graph replay", "", _latency_table(cases, "graph", order)),
+        ("Latency — Eager (host overhead included)", "", _latency_table(cases, "eager", order)),
+        ("B/C/B comparisons", "Speedup = baseline / candidate per pair (median [p10–p90]); a win "
+         "= the candidate beat both baseline units of its pair; drift = second baseline vs first.",
+         _comparison_table(cases)),
+    ]  # fmt: skip
+    host = data.get("host_overhead")
+    if host and "aten_add_us" in host:
+        sections.append(("Host overhead (eager, R = 1)", f"{host['method']}; backend "
+                         f"{host['backend']}.", _host_table(host)))  # fmt: skip
+    dec = data.get("decode_step")
+    if dec:
+        intro = (f"The layer's whole QSA path (qsa_ops.update_caches, select_paged_tokens, "
+                 f"sparse_paged_attention) for {dec['layers']} layers, {dec['context']} tokens per "
+                 "request, one new token per request; each layer has its own caches.")  # fmt: skip
+        body = _decode_table(dec) if "skipped" not in dec else [f"Skipped: {dec['skipped']}"]
+        sections.append(("Decode step", intro, body))
+    sweep = data.get("splits_sweep")
+    if sweep:
+        body = _sweep_table(sweep) if "skipped" not in sweep else [f"Skipped: {sweep['skipped']}"]
+        sections.append(("Attention split sweep (graph, L2-rotated, 32K)",
+                         f"CTAs per row forced with {sweep.get('env', '')}.", body))  # fmt: skip
+    sections.append(("Profiler (one warm call)", "", _profile_table(cases)))
+    for title, intro, table in sections:
         if table:
-            lines += [f"## Latency — {title}", "", *table, ""]
-    comp = _comparison_table(cases)
-    if comp:
-        lines += ["## B/C/B comparisons", "",
-                  "Speedup = baseline / candidate per pair (median [p10–p90]); a win = the candidate "
-                  "beat both baseline units of its pair; drift = second baseline vs first.", "",
-                  *comp, ""]  # fmt: skip
-    prof = _profile_table(cases)
-    if prof:
-        lines += ["## Profiler (one warm call)", "", *prof, ""]
+            lines += [f"## {title}", ""] + ([intro, ""] if intro else []) + [*table, ""]
     notes = list(data.get("notes", []))
     notes += _checks(cases)
     skipped = sorted({f"{n}: {r}" for c in cases for n, r in c.get("skipped", {}).items()})
@@ -214,10 +337,142 @@ def markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
+def validation_section(data: dict) -> dict:
+    """The ``timing`` section of the GPU validation record: per measured case the kernel's
+    median (graph replay where measured), its target, upstream and the references, the floor;
+    the host overhead and the decode step; ``bench_json`` names the full results file."""
+    env, cases = data["environment"], data["cases"]
+    rows = []
+    for c in cases:
+        mode = _best_mode(c)
+        if mode is None:
+            continue
+        lat = c["modes"][mode]["latency"]
+        kernel = _median(c, mode, "kernel")
+        target = c["spec"].get("target_us")
+
+        def us(name, lat=lat):
+            return lat[name]["median"] * 1e6 if name in lat else None
+
+        rows.append({
+            "op": c["spec"]["op"], "case": c["spec"]["name"], "rows": c["spec"]["rows"],
+            "context": c["spec"]["context"], "mode": mode, "target_us": target,
+            "kernel_us": us("kernel"),
+            "met": None if target is None or kernel is None else kernel * 1e6 <= target,
+            "upstream_us": us("upstream"),
+            "upstream_over_kernel": us("upstream") / us("kernel") if us("upstream") and kernel
+            else None,
+            "references_us": {n: us(n) for n in lat if n.startswith("ref-")},
+            "floor_bytes": c["floor"]["total"], "floor_us": c["floor"]["seconds"] * 1e6,
+            "kernel_pct_of_floor": c["modes"][mode]["pct_of_floor"].get("kernel"),
+        })  # fmt: skip
+    bw = data.get("copy_bandwidth", {})
+    return {
+        "schema": VALIDATION_SCHEMA,
+        "command": "python -m custom_esimd_kernels_vllm.bench "
+        + " ".join(data["config"].get("argv", [])),
+        "device": env.get("device_name"),
+        "commit": env.get("git", {}).get("commit"),
+        "copy_bandwidth_bytes_per_s": bw.get("bandwidth_bytes_per_s"),
+        "copy_method": bw.get("method"),
+        "upstream": {
+            k: data.get("upstream", {}).get(k)
+            for k in ("available", "skip", "source", "version", "topk")
+        },  # fmt: skip
+        "cases": rows,
+        "host_overhead": data.get("host_overhead"),
+        "decode_step": data.get("decode_step"),
+        "splits_sweep": data.get("splits_sweep"),
+        "notes": data.get("notes", []),
+        "bench_json": data.get("stem", "") + ".json",
+    }
+
+
+# ----------------------------------------------------------------------------------------
+# the plot
+# ----------------------------------------------------------------------------------------
+
+
+def _panel_latency(ax, sel: list[dict], order: list[str]) -> None:
+    ctx = [c["spec"]["context"] for c in sel]
+    for k, name in enumerate(order):
+        for mode, style in (("graph", "-o"), ("eager", "--x")):
+            pts = [(c["spec"]["context"], _median(c, mode, name) * 1e6) for c in sel
+                   if _median(c, mode, name) is not None]  # fmt: skip
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, style, color=f"C{k}", label=f"{name} ({mode})", ms=4)
+                break  # graph when measured, else eager
+    ax.plot(ctx, [c["floor"]["seconds"] * 1e6 for c in sel], "k:", lw=2, label="memory floor")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ctx, [f"{x // 1024}K" if x % 1024 == 0 else str(x) for x in ctx])
+    ax.minorticks_off()
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def _panel_ratio(ax, cases: list[dict], op: str) -> bool:
+    """upstream / kernel against context, one line per R."""
+    drew = False
+    for k, rows in enumerate(sorted({c["spec"]["rows"] for c in cases if c["spec"]["op"] == op})):
+        pts = []
+        for c in sorted(cases, key=lambda c: c["spec"]["context"]):
+            if c["spec"]["op"] != op or c["spec"]["rows"] != rows or not _best_mode(c):
+                continue
+            mode = _best_mode(c)
+            kern, up = _median(c, mode, "kernel"), _median(c, mode, "upstream")
+            if kern and up:
+                pts.append((c["spec"]["context"], up / kern))
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, "-o", color=f"C{k}", ms=4, label=f"R={rows}")
+            drew = True
+    ax.axhline(1.0, color="k", lw=1, ls=":")
+    ax.set_xscale("log", base=2)
+    ctx = sorted({c["spec"]["context"] for c in cases if c["spec"]["op"] == op})
+    ax.set_xticks(ctx, [f"{x // 1024}K" if x % 1024 == 0 else str(x) for x in ctx])
+    ax.minorticks_off()
+    ax.set_title(f"{op}: upstream / kernel (> 1: ours faster)", fontsize=9)
+    ax.set_xlabel("context (tokens)")
+    ax.grid(True, alpha=0.3)
+    if drew:
+        ax.legend(fontsize=7)
+    return drew
+
+
+def _panel_decode(ax, dec: dict) -> bool:
+    rows = [e for e in dec.get("rows", []) if "eager" in e]
+    if not rows:
+        return False
+    r = [e["rows"] for e in rows]
+    series = [("eager host", lambda e: e["eager"]["host_us_per_layer"]),
+              ("eager GPU", lambda e: e["eager"]["gpu_us_per_layer"]),
+              ("graph GPU", lambda e: e.get("graph", {}).get("gpu_us_per_layer")),
+              ("kernel sum (graph)",
+               lambda e: e.get("graph", {}).get("kernel_sum_us_per_layer"))]  # fmt: skip
+    for k, (label, get) in enumerate(series):
+        pts = [(x, get(e)) for x, e in zip(r, rows, strict=True) if get(e) is not None]
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, "-o", ms=4, color=f"C{k}", label=label)
+    ax.axhline(dec["targets"]["eager_host_us_per_layer"], color="C0", ls=":", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(r, [str(x) for x in r])
+    ax.minorticks_off()
+    ax.set_yscale("log")
+    ax.set_title(f"decode step, {dec['layers']} layers (µs per layer)", fontsize=9)
+    ax.set_xlabel("R (requests)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    return True
+
+
 def plot(data: dict, path: Path) -> str | None:
     """Latency against context, one panel per (operator, rows), log scales, one line per
-    implementation (CUDA-graph medians where measured, else eager), the floor dashed.
-    Returns None, or why no plot was written."""
+    implementation (CUDA-graph medians where measured, else eager), the floor dotted; a last
+    row with upstream / kernel per operator and the decode step. Returns None, or why no plot
+    was written."""
     try:
         import matplotlib
 
@@ -231,10 +486,15 @@ def plot(data: dict, path: Path) -> str | None:
         return "no plot: no measured scale case"
     ops = sorted({p[0] for p in panels})
     rows_by_op = {op: sorted(r for o, r in panels if o == op) for op in ops}
-    ncols = max(len(v) for v in rows_by_op.values())
-    fig, axes = plt.subplots(
-        len(ops), ncols, figsize=(3.6 * ncols, 3.2 * len(ops)), squeeze=False, sharey="row"
+    dec = data.get("decode_step") or {}
+    summary = any(_median(c, m, "upstream") for c in cases for m in MODES) or any(
+        "eager" in e for e in dec.get("rows", [])
     )
+    ncols = max(len(v) for v in rows_by_op.values())
+    if summary:
+        ncols = max(ncols, len(ops) + 1)
+    nrows = len(ops) + summary
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 3.2 * nrows), squeeze=False)
     for i, op in enumerate(ops):
         for j in range(ncols):
             ax = axes[i][j]
@@ -242,55 +502,32 @@ def plot(data: dict, path: Path) -> str | None:
                 ax.set_visible(False)
                 continue
             rows = rows_by_op[op][j]
-            sel = sorted(
-                (c for c in cases if c["spec"]["op"] == op and c["spec"]["rows"] == rows),
-                key=lambda c: c["spec"]["context"],
-            )
-            ctx = [c["spec"]["context"] for c in sel]
-            for k, name in enumerate(ALL):
-                for mode, style in (("graph", "-o"), ("eager", "--x")):
-                    pts = [
-                        (c["spec"]["context"], c["modes"][mode]["latency"][name]["median"] * 1e6)
-                        for c in sel
-                        if name in c["modes"].get(mode, {}).get("latency", {})
-                    ]
-                    if pts:
-                        xs, ys = zip(*pts, strict=True)
-                        # one colour per implementation in every panel
-                        color = f"C{k}"
-                        ax.plot(xs, ys, style, color=color, label=f"{name} ({mode})", ms=4)
-                        break  # graph when measured, else eager
-            ax.plot(
-                ctx, [c["floor"]["seconds"] * 1e6 for c in sel], "k:", lw=2, label="memory floor"
-            )
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(ctx, [f"{x // 1024}K" if x % 1024 == 0 else str(x) for x in ctx])
-            ax.minorticks_off()
-            ax.set_yscale("log")
+            sel = sorted((c for c in cases if c["spec"]["op"] == op and c["spec"]["rows"] == rows),
+                         key=lambda c: c["spec"]["context"])  # fmt: skip
+            _panel_latency(ax, sel, _order(data))
             ax.set_title(f"{op}, R={rows}", fontsize=10)
-            ax.set_xlabel("context (tokens)")
             if j == 0:
                 ax.set_ylabel("latency per call (µs)")
-            ax.grid(True, which="both", alpha=0.3)
+    if summary:
+        last = axes[len(ops)]
+        used = [_panel_ratio(last[j], cases, op) for j, op in enumerate(ops)]
+        used.append(_panel_decode(last[len(ops)], dec))
+        for j, ax in enumerate(last):
+            if j >= len(used) or not used[j]:
+                ax.set_visible(False)
     handles, labels = {}, []
-    for ax in axes.flat:
+    for ax in axes[: len(ops)].flat:
         for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
             if lab not in handles:
                 handles[lab] = h
                 labels.append(lab)
-    fig.legend(
-        [handles[lab] for lab in labels],
-        labels,
-        loc="lower center",
-        ncol=min(4, len(labels)),
-        fontsize=8,
-    )
+    fig.legend([handles[lab] for lab in labels], labels, loc="lower center",
+               ncol=min(4, len(labels)), fontsize=8)  # fmt: skip
     env = data["environment"]
-    fig.suptitle(
-        f"QSA operators on {env.get('device_name')} (torch {env.get('torch')})", fontsize=11
-    )
-    fig.tight_layout(rect=(0, 0.08 + 0.02 * (len(labels) > 4), 1, 0.96))
-    fig.savefig(path, dpi=110)
+    fig.suptitle(f"QSA operators on {env.get('device_name')} (torch {env.get('torch')})",
+                 fontsize=11)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.06 + 0.015 * (len(labels) > 4), 1, 0.97))
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return None
 

@@ -9,6 +9,8 @@ and nothing is written.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import contract, ops, reference
@@ -102,13 +104,12 @@ def sparse_paged_attention(
         kv = contract.packed_kv_buffer(k_cache)
         _attention(q, kv, logical_indices, page_table, token_to_req, page_size, out, softmax_scale)
         return out
-    if not (
-        _is_int(page_size)
-        and (softmax_scale is None or type(softmax_scale) is float)
-        and _packed_pair(k_cache, v_cache)
-    ):
+    if not (_is_int(page_size) and (softmax_scale is None or type(softmax_scale) is float)):
+        contract.validate_attention_args(*args)  # types the schema would coerce
+    kv = _packed_buffer(k_cache, v_cache)
+    if kv is None:
         contract.validate_attention_args(*args)  # raises with the contract's ordered message
-    kv = k_cache.as_strided((k_cache.shape[0], KV_PAGE, _TOKEN), _PACKED_STRIDES)
+        kv = contract.packed_kv_buffer(k_cache)  # (only reached if it did not)
     try:
         _attention(q, kv, logical_indices, page_table, token_to_req, page_size, out, softmax_scale)
     except (RuntimeError, TypeError, ValueError) as exc:
@@ -138,18 +139,25 @@ def update_caches(
         ops.raise_refusal(exc, "update_caches", args)
 
 
-_TOKEN = contract.PACKED_TOKEN_STRIDE
-_PACKED_STRIDES = contract.PACKED_KV_STRIDES
 _KV_STRIDES = contract.KV_STRIDES
 _KV_SHAPE = (KV_PAGE, 1, HEAD_DIM)
+_V_BYTES = 2 * HEAD_DIM  # v_cache starts 256 float16 after k_cache
+_PAIR = "_qsa_packed_pair"  # attribute of a checked k_cache: (weakref to its v_cache, buffer)
 
 
-def _packed_pair(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """True when (k, v) are the two views of one exact-packed buffer that holds every page:
-    then the buffer the operator takes is ``k.as_strided(...)``, and the operator's own checks
-    cover the rest. Anything else returns False and contract.py words the refusal."""
+def _packed_buffer(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """The [P, 512, 512] buffer whose two views are (k, v), or None when they are not such a
+    pair (contract.py then words the refusal; the operator checks the buffer itself).
+
+    NOTES: a serving loop passes the same two view objects at every step, and checking them
+    from Python costs about 9 us on the H200 host (measured), so a checked pair remembers its
+    buffer on the k_cache object (its lifetime, no global cache); a later call re-checks only
+    that v is the same object and that neither view moved (their data pointers)."""
     try:
-        return (
+        pair = k.__dict__.get(_PAIR)
+        if pair is not None and pair[0]() is v and v.data_ptr() - k.data_ptr() == _V_BYTES:
+            return pair[1]
+        ok = (
             k.stride() == _KV_STRIDES
             and v.stride() == _KV_STRIDES
             and k.shape[1:] == _KV_SHAPE
@@ -158,12 +166,17 @@ def _packed_pair(k: torch.Tensor, v: torch.Tensor) -> bool:
             and v.dtype is torch.float16
             and v.device == k.device
             and v.storage_offset() == k.storage_offset() + HEAD_DIM
-            and v.data_ptr() - k.data_ptr() == 2 * HEAD_DIM
+            and v.data_ptr() - k.data_ptr() == _V_BYTES
             and k.untyped_storage().nbytes()
             >= 2 * (k.storage_offset() + k.shape[0] * _KV_STRIDES[0])
         )
     except (AttributeError, IndexError, TypeError):
-        return False
+        return None
+    if not ok:
+        return None
+    kv = contract.packed_kv_buffer(k)
+    k.__dict__[_PAIR] = (weakref.ref(v), kv)
+    return kv
 
 
 def build_info() -> dict:

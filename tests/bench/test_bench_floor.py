@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from custom_esimd_kernels_vllm.bench.cases import packed_kv_views
-from custom_esimd_kernels_vllm.bench.floor import (
+from custom_esimd_kernels_vllm.bench.cases import (
     KEY_BYTES,
     KV_TOKEN_BYTES,
     attention_bytes,
     count_attention_tokens,
     count_selection_keys,
     floor_bytes,
+    packed_kv_views,
     percent_of_floor,
     selection_bytes,
 )

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from custom_esimd_kernels_vllm.bench import cases, impls, report, runner
+from custom_esimd_kernels_vllm.bench import cases, impls, report, run
 from custom_esimd_kernels_vllm.bench.timing import EagerUnit
 
 
@@ -20,8 +20,8 @@ class ReplayUnit(EagerUnit):
     mode = "graph"
     captures = 0
 
-    def __init__(self, impl, copies, calls, device):
-        super().__init__(impl, copies, calls, device)
+    def __init__(self, call, copies, calls, device):
+        super().__init__(call, copies, calls, device)
         ReplayUnit.captures += 1
 
     def __call__(self) -> float:
@@ -31,18 +31,18 @@ class ReplayUnit(EagerUnit):
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    monkeypatch.setattr(runner, "graph_supported", lambda device: True)
-    monkeypatch.setattr(runner, "GraphUnit", ReplayUnit)
+    monkeypatch.setattr(run, "graph_supported", lambda device: True)
+    monkeypatch.setattr(run, "GraphUnit", ReplayUnit)
     monkeypatch.setattr(impls, "kernel_status", lambda device: (True, ""))
     ReplayUnit.captures = 0
 
 
 def _run(spec):
-    cfg = runner.BenchConfig(
+    cfg = run.BenchConfig(
         device=torch.device("cpu"), pairs=2, warmup_units=1, max_copies=2, cache_bytes=1 << 20,
         memory_budget=64 << 20, compile="none",
     )  # fmt: skip
-    return runner.run_case(spec, cfg, 1e10, runner.CompileLedger())
+    return run.run_case(spec, cfg, 1e10, run.CompileLedger())
 
 
 @pytest.mark.parametrize("op", ["attention", "selection"])
@@ -84,15 +84,15 @@ def test_graph_mode_and_kernel_wiring(fake_gpu, op, tmp_path):
 
 
 def test_failing_implementation_is_recorded_not_fatal(fake_gpu, monkeypatch):
-    def broken(name, op):
-        impl = make(name, op)
+    def broken(name, op, up=None):
+        impl = make(name, op, up)
         if name != "kernel":
             return impl
 
         def call(args):
             raise RuntimeError("launch failed: too many resources requested")
 
-        return impls.Impl(name, call, graphable=True)
+        return impls.Impl(name, call, graphable=True, check=op)
 
     make = impls.make
     monkeypatch.setattr(impls, "make", broken)
@@ -100,3 +100,51 @@ def test_failing_implementation_is_recorded_not_fatal(fake_gpu, monkeypatch):
     assert "launch failed" in result["impls"]["kernel"]["error"]
     assert result["modes"]["eager"]["candidate"] == "ref-vectorised"
     assert result["modes"]["graph"]["candidate"] == "ref-vectorised"
+
+
+def update_caches_stand_in(key, value, slot_mapping, compressed_slot_mapping, index_wk, kv_cache,
+                           compressed_key_cache):  # fmt: skip
+    """A small PyTorch stand-in with the schema of ``qsa_ops.update_caches``: K/V at their
+    slots, then the compressed key of each completed block from its 4 cached keys."""
+    head = key.shape[1]
+    flat = kv_cache.view(-1, 2 * head)
+    ok = (slot_mapping >= 0) & (slot_mapping < flat.shape[0])
+    flat[slot_mapping[ok]] = torch.cat([key, value], dim=1)[ok]
+    ck = compressed_key_cache.view(-1, compressed_key_cache.shape[-1])
+    done = ok & (compressed_slot_mapping >= 0) & (compressed_slot_mapping < ck.shape[0])
+    first = (slot_mapping[done] // 4) * 4
+    keys = flat[first[:, None] + torch.arange(4), :head].float()  # [n, 4, 256]
+    ck[compressed_slot_mapping[done]] = (keys.mean(dim=1) @ index_wk.T).to(ck.dtype)
+
+
+def test_decode_step_with_a_stand_in_update(monkeypatch, tmp_path):
+    from custom_esimd_kernels_vllm import qsa_ops
+
+    monkeypatch.setattr(qsa_ops, "update_caches", update_caches_stand_in, raising=False)
+    dec = run.decode_step(torch.device("cpu"), rows=(1, 2), context=2048, layers=2, reps=2)
+    assert "skipped" not in dec and dec["backend"] == "reference"
+    assert [e["rows"] for e in dec["rows"]] == [1, 2]
+    for e in dec["rows"]:
+        assert "error" not in e, e.get("error")
+        assert e["check"]["ok"]  # the new K/V landed at their slots
+        assert e["eager"]["host_us_per_layer"] > 0 and e["eager"]["gpu_us_per_layer"] > 0
+        assert "graph" not in e  # no CUDA graphs on CPU
+    assert dec["targets"] == {"graph_step_over_kernel_sum": 1.15, "eager_host_us_per_layer": 40.0}
+    # the graph half of the report, from a hand-made graph entry
+    dec["rows"][0]["graph"] = {"gpu_us_per_layer": 11.0, "host_us_per_layer": 1.0,
+                               "ops_alone_us_per_layer": {"update": 1.0, "select": 4.0,
+                                                          "attention": 5.0},
+                               "kernel_sum_us_per_layer": 10.0, "ratio": 1.1,
+                               "met": True}  # fmt: skip
+    md = report.markdown({"environment": {}, "config": {"warmup_units": 1, "pairs": 1,
+                          "unit_s": 1e-3, "rotation_factor": 2, "cache_bytes": 1},
+                          "cases": [], "decode_step": dec})  # fmt: skip
+    assert "## Decode step" in md and "1.0 + 4.0 + 5.0 = 10.0" in md and "graph <= 1.15x: met" in md
+
+
+def test_decode_step_states_a_skip_without_the_op(monkeypatch):
+    from custom_esimd_kernels_vllm import qsa_ops
+
+    monkeypatch.delattr(qsa_ops, "update_caches", raising=False)
+    dec = run.decode_step(torch.device("cpu"), rows=(1,), context=2048, layers=1)
+    assert "qsa_ops.update_caches" in dec["skipped"] and dec["rows"] == []

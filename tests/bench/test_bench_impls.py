@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from custom_esimd_kernels_vllm.bench import cases, cli, impls
-from custom_esimd_kernels_vllm.bench.env import strip_paths
-from custom_esimd_kernels_vllm.bench.runner import _check, format_error
+from custom_esimd_kernels_vllm.bench.report import format_error, strip_paths
+from custom_esimd_kernels_vllm.bench.run import check as _check
 from custom_esimd_kernels_vllm.qsa_ops import reference
 
 

@@ -94,3 +94,31 @@ def test_rerender_from_json(quick_run, tmp_path):
     assert cli.main(["--from-json", str(copy)]) == 0
     assert (tmp_path / "bench-cpu.md").read_text() == (quick_run / "bench-cpu.md").read_text()
     assert (tmp_path / "bench-cpu.png").stat().st_size > 0
+
+
+def test_quick_host_overhead_and_sections(quick_run):
+    data = json.loads((quick_run / "bench-cpu.json").read_text())
+    host = data["host_overhead"]
+    for key in ("aten_add_us", "select_eager_us", "attention_eager_us", "select_ratio",
+                "attention_ratio"):  # fmt: skip
+        assert host[key] > 0, key
+    assert host["backend"] == "reference"  # CPU: the public ops run the reference
+    assert "## Host overhead" in (quick_run / "bench-cpu.md").read_text()
+    assert "decode_step" in data and not data["upstream"]["available"]
+    assert "Upstream (vLLM's own kernels): **skipped**" in (quick_run / "bench-cpu.md").read_text()
+
+
+def test_validation_section(tmp_path):
+    record = tmp_path / "timing.json"
+    argv = ["--quick", "--ops", "selection", "--cases", "cross-page", "--out-dir", str(tmp_path),
+            "--no-progress", "--no-profile", "--no-decode-step",
+            "--validation", str(record)]  # fmt: skip
+    assert cli.main(argv) == 0
+    section = json.loads(record.read_text())
+    assert section["schema"] == "qsa-bench-validation/1"
+    assert section["copy_bandwidth_bytes_per_s"] > 0 and "events" in section["copy_method"]
+    (row,) = section["cases"]
+    assert row["op"] == "selection" and row["mode"] == "eager" and row["kernel_us"] is None
+    assert row["references_us"]["ref-vectorised"] > 0
+    assert section["host_overhead"]["select_ratio"] > 0
+    assert section["bench_json"] == "bench-cpu.json"

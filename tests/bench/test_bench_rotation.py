@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from custom_esimd_kernels_vllm.bench import rotation
-from custom_esimd_kernels_vllm.bench.cases import CaseSpec, build
-from custom_esimd_kernels_vllm.bench.floor import floor_bytes
+from custom_esimd_kernels_vllm.bench import timing as rotation
+from custom_esimd_kernels_vllm.bench.cases import CaseSpec, build, floor_bytes
 from custom_esimd_kernels_vllm.qsa_ops import contract, reference
 
 MiB = 1 << 20

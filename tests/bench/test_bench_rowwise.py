@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from custom_esimd_kernels_vllm.bench.rowwise import (
+from custom_esimd_kernels_vllm.bench.impls import (
     select_paged_tokens_rowwise,
     sparse_paged_attention_rowwise,
 )

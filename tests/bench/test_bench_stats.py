@@ -7,8 +7,14 @@ import math
 import numpy as np
 import pytest
 
-from custom_esimd_kernels_vllm.bench.protocol import run_pairs, run_solo
-from custom_esimd_kernels_vllm.bench.stats import Pair, compare, quantile, summarize
+from custom_esimd_kernels_vllm.bench.timing import (
+    Pair,
+    compare,
+    quantile,
+    run_pairs,
+    run_solo,
+    summarize,
+)
 
 
 @pytest.mark.parametrize("q", [0.0, 0.1, 0.25, 0.5, 0.9, 1.0])

@@ -249,3 +249,24 @@ def test_refusal_marker_round_trip():
     exc = RuntimeError("[qsa:ValueError] out must not overlap any input, got overlap with q")
     assert ops.refusal_of(exc) == (ValueError, "out must not overlap any input, got overlap with q")
     assert ops.refusal_of(RuntimeError("CUDA error: out of memory")) is None
+
+
+def test_checked_kv_pair_is_rechecked_when_a_view_changes():
+    """The public function remembers a checked (k_cache, v_cache) pair on k_cache; another v,
+    or a view moved in place, is checked again (and refused here)."""
+    case = testing.make_attention_case("valid_width_32", 1, seed=2)
+    qsa_ops.sparse_paged_attention(*case.args())
+    args = list(case.args())
+    args[2] = case.k_cache  # v_cache = k_cache: storage offset off by 256
+    testing.poison_(case.out)
+    with pytest.raises(ValueError, match="^v_cache must have storage offset"):
+        qsa_ops.sparse_paged_attention(*args)
+    moved = case.v_cache.detach()
+    args[2] = moved
+    qsa_ops.sparse_paged_attention(*args)  # an equal pair through another object: accepted
+    other = torch.zeros(case.kv.numel() + 512, dtype=torch.float16)
+    moved.set_(other.untyped_storage(), 256, moved.shape, moved.stride())
+    testing.poison_(case.out)
+    with pytest.raises(ValueError, match="^v_cache must"):
+        qsa_ops.sparse_paged_attention(*args)
+    assert case.out.isnan().all()

