@@ -40,7 +40,11 @@ TARGET = TARGETS["cuda-sm90"]
 EXT_NAME = "custom_esimd_kernels_vllm._C"
 LIBRARY = "custom_esimd_kernels_vllm/_C.so"
 CSRC = "csrc"
-KERNEL_SOURCES = ("csrc/qsa/select_paged_tokens.cu", "csrc/qsa/sparse_paged_attention.cu")
+KERNEL_SOURCES = (
+    "csrc/qsa/select_paged_tokens.cu",
+    "csrc/qsa/sparse_paged_attention.cu",
+    "csrc/qsa/update_caches.cu",
+)
 BINDINGS = "csrc/torch_ops.cpp"
 SKIP_ENV = "QSA_SKIP_CUDA_BUILD"
 

@@ -285,9 +285,10 @@ std::pair<uint64_t, uint64_t> byte_range(const Meta& m) {
 // contract._validate for tensor arguments `args` (out last) and fixed-valued ints `ints`.
 // The storage half of the exact-packed check (V at +256 in K's storage, which holds every page)
 // holds by construction for views derived from a valid buffer, so it is not repeated here.
+// overlap=false leaves the storage checks to the caller (update_caches has two outputs).
 template <size_t N, size_t NS, size_t NI>
 void validate(const std::array<Arg, N>& args, const std::array<SizeSource, NS>& sources,
-              const std::array<IntArg, NI>& ints) {
+              const std::array<IntArg, NI>& ints, bool overlap = true) {
   const DeviceId first = args[0].m.device;
   for (size_t i = 1; i < N; ++i)
     if (!(args[i].m.device == first))
@@ -348,6 +349,7 @@ void validate(const std::array<Arg, N>& args, const std::array<SizeSource, NS>& 
     if (i.value != i.expected)
       value_error(std::string(i.name) + " must be " + std::to_string(i.expected) + ", got " +
                   std::to_string(i.value));
+  if (!overlap) return;
   const Arg& out = args[N - 1];
   const auto o = byte_range(out.m);
   if (o.first == o.second) return;
@@ -671,16 +673,98 @@ void check_attention(Tensor q, Tensor kv, Tensor logical_indices, Tensor page_ta
                      softmax_scale);
 }
 
+// ---------------------------------------------------------------------------------------------
+// update_caches (the third operator): validation and launch
+// ---------------------------------------------------------------------------------------------
+
+// contract.validate_update_args' storage checks: each output against every input, then the
+// two outputs against each other.
+void check_outputs_disjoint(const std::array<Arg, 7>& args, size_t first_output) {
+  for (size_t o = first_output; o < args.size(); ++o) {
+    const auto out = byte_range(args[o].m);
+    if (out.first == out.second) continue;
+    for (size_t i = 0; i < first_output; ++i) {
+      const auto r = byte_range(args[i].m);
+      if (r.first != r.second && r.first < out.second && out.first < r.second)
+        value_error(std::string(args[o].name) + " must not overlap any input, got overlap with " +
+                    args[i].name + " (bytes [" + fmt_hex(out.first) + ", " +
+                    fmt_hex(out.second) + ") and [" + fmt_hex(r.first) + ", " +
+                    fmt_hex(r.second) + "))");
+    }
+  }
+  const auto kv = byte_range(args[first_output].m), ck = byte_range(args[first_output + 1].m);
+  if (kv.first != kv.second && ck.first != ck.second && ck.first < kv.second &&
+      kv.first < ck.second)
+    value_error(std::string(args[first_output + 1].name) + " must not overlap " +
+                args[first_output].name + " (the other output), got bytes [" +
+                fmt_hex(ck.first) + ", " + fmt_hex(ck.second) + ") and [" + fmt_hex(kv.first) +
+                ", " + fmt_hex(kv.second) + ")");
+}
+
+void validate_update(const Tensor& key, const Tensor& value, const Tensor& slot_mapping,
+                     const Tensor& compressed_slot_mapping, const Tensor& index_wk,
+                     const Tensor& kv_cache, const Tensor& compressed_key_cache) {
+  const std::array<Arg, 7> args = {{
+      {"key", Meta::of(key), ScalarType::Half, {S('T'), F(QSA_HEAD_DIM)}, false},
+      {"value", Meta::of(value), ScalarType::Half, {S('T'), F(QSA_HEAD_DIM)}, false},
+      {"slot_mapping", Meta::of(slot_mapping), ScalarType::Long, {S('T')}, false},
+      {"compressed_slot_mapping", Meta::of(compressed_slot_mapping), ScalarType::Long, {S('T')},
+       false},
+      {"index_wk", Meta::of(index_wk), ScalarType::Float, {F(QSA_INDEX_DIM), F(QSA_HEAD_DIM)},
+       false},
+      {"kv_cache", Meta::of(kv_cache), ScalarType::Half,
+       {S('P'), F(QSA_KV_PAGE), F(2 * QSA_HEAD_DIM)}, false},
+      {"compressed_key_cache", Meta::of(compressed_key_cache), ScalarType::Half,
+       {S('Q'), F(QSA_CK_PAGE), F(1), F(QSA_INDEX_DIM)}, false},
+  }};
+  validate(args, std::array<SizeSource, 3>{{{'T', 0, 0}, {'P', 5, 0}, {'Q', 6, 0}}},
+           std::array<IntArg, 0>{}, /*overlap=*/false);
+  check_outputs_disjoint(args, 5);
+}
+
+void update_caches(Tensor key, Tensor value, Tensor slot_mapping, Tensor compressed_slot_mapping,
+                   Tensor index_wk, Tensor kv_cache, Tensor compressed_key_cache) {
+  validate_update(key, value, slot_mapping, compressed_slot_mapping, index_wk, kv_cache,
+                  compressed_key_cache);
+  const int64_t rows = key.size(0);
+  if (rows > kInt32Max)
+    value_error("key must have at most " + std::to_string(kInt32Max) +
+                " rows for the CUDA kernels (one CTA per row), got " + std::to_string(rows));
+  const int device = key.get_device();
+  check_capability(device);
+  const DeviceGuard guard(device, "update_caches: selecting the device");
+  const cudaStream_t stream = current_stream(device);
+  const qsa::UpdateParams p{key.const_data_ptr(),
+                            value.const_data_ptr(),
+                            static_cast<const int64_t*>(slot_mapping.const_data_ptr()),
+                            static_cast<const int64_t*>(compressed_slot_mapping.const_data_ptr()),
+                            static_cast<const float*>(index_wk.const_data_ptr()),
+                            kv_cache.mutable_data_ptr(),
+                            compressed_key_cache.mutable_data_ptr(),
+                            rows,
+                            kv_cache.size(0),
+                            compressed_key_cache.size(0)};
+  check_cuda(qsa::update_caches(p, stream), "update_caches");
+}
+
+void check_update(Tensor key, Tensor value, Tensor slot_mapping, Tensor compressed_slot_mapping,
+                  Tensor index_wk, Tensor kv_cache, Tensor compressed_key_cache) {
+  validate_update(key, value, slot_mapping, compressed_slot_mapping, index_wk, kv_cache,
+                  compressed_key_cache);
+}
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(qsa, CUDA, m) {
   m.impl("select_paged_tokens", TORCH_BOX(&select_paged_tokens));
   m.impl("sparse_paged_attention", TORCH_BOX(&sparse_paged_attention));
+  m.impl("update_caches", TORCH_BOX(&update_caches));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(qsa_check, CompositeExplicitAutograd, m) {
   m.impl("select_paged_tokens", TORCH_BOX(&check_select));
   m.impl("sparse_paged_attention", TORCH_BOX(&check_attention));
+  m.impl("update_caches", TORCH_BOX(&check_update));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -723,3 +807,4 @@ QSA_EXPORT int64_t qsa_select_launch_count(int64_t rows, int64_t table_width) {
 QSA_EXPORT int64_t qsa_attention_launch_count(int64_t rows) {
   return qsa::attention_launch_count(rows);
 }
+QSA_EXPORT int64_t qsa_update_launch_count(int64_t rows) { return qsa::update_launch_count(rows); }

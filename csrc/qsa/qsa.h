@@ -85,4 +85,24 @@ int64_t attention_counter_slots();
 int64_t attention_launch_count(int64_t rows);
 cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream);
 
+// ---------------------------------------------------------------------------------------------
+// Cache update: update_caches (contract section 3)
+// ---------------------------------------------------------------------------------------------
+struct UpdateParams {
+  const void* key;                         // [T, 256] float16, contiguous
+  const void* value;                       // [T, 256] float16, contiguous
+  const int64_t* slot_mapping;             // [T] int64: page * 512 + offset; else skipped
+  const int64_t* compressed_slot_mapping;  // [T] int64: page * 128 + j; else no key
+  const float* index_wk;                   // [128, 256] float32, contiguous
+  void* kv;                                // exact-packed [P, 512, 512] float16, contiguous
+  void* compressed_keys;                   // [Q, 128, 1, 128] float16, contiguous
+  int64_t rows;                            // T
+  int64_t pages;                           // P
+  int64_t compressed_pages;                // Q
+};
+
+// Number of kernel launches one call makes (2: K/V rows, then compressed keys; 0 if T == 0).
+int64_t update_launch_count(int64_t rows);
+cudaError_t update_caches(const UpdateParams& p, cudaStream_t stream);
+
 }  // namespace qsa

@@ -786,12 +786,18 @@ def _sharing_storage(t: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor
     return view(t), view(other)
 
 
-def refusal_mutations(args: Sequence, names: Sequence[str], shapes: dict[str, tuple]):
+def refusal_mutations(
+    args: Sequence,
+    names: Sequence[str],
+    shapes: dict[str, tuple],
+    outputs: Sequence[str] = ("out",),
+):
     """``(label, index, new_value)`` changes of positional ``args`` (argument names ``names``;
     ``shapes[name]`` the contract's shape pattern of each tensor argument, symbols as str), each
-    of which puts one argument outside the contract. ``out`` must be the tensor named "out"."""
+    of which puts one argument outside the contract. ``outputs`` names the written tensors
+    ("out" for the selection and the attention; each must not overlap an input or another)."""
     changes = []
-    out_index = names.index("out")
+    out_index = names.index(outputs[0])
     for i, (name, value) in enumerate(zip(names, args, strict=True)):
         if not isinstance(value, torch.Tensor):
             continue
@@ -811,9 +817,16 @@ def refusal_mutations(args: Sequence, names: Sequence[str], shapes: dict[str, tu
             kind = "symbolic" if isinstance(size, str) else "fixed"
             changes.append((f"{name}: {kind} size {dim} + 1", i, _reshaped(value, shape)))
         changes.append((f"{name}: on meta", i, value.to("meta")))
-        if i != out_index and value.numel() and args[out_index].numel():
+        if len(outputs) == 1 and i != out_index and value.numel() and args[out_index].numel():
             inp, out = _sharing_storage(value, args[out_index])
             changes.append((f"out overlaps {name}", (i, out_index), (inp, out)))
+    if len(outputs) > 1:  # every output against every tensor before it (inputs, outputs)
+        for o in outputs:
+            j = names.index(o)
+            for i, (name, value) in enumerate(zip(names[:j], args[:j], strict=True)):
+                if isinstance(value, torch.Tensor) and value.numel() and args[j].numel():
+                    inp, out = _sharing_storage(value, args[j])
+                    changes.append((f"{o} overlaps {name}", (i, j), (inp, out)))
     return changes
 
 
@@ -826,3 +839,197 @@ def apply_mutation(args: Sequence, index, value) -> list:
     else:
         new[index] = value
     return new
+
+
+# ----------------------------------------------------------------------------------------
+# update_caches: cases and the independent rule (docs/contract.md, section "update_caches")
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class UpdateCase:
+    name: str
+    key: torch.Tensor  # [T, 256] float16
+    value: torch.Tensor  # [T, 256] float16
+    slot_mapping: torch.Tensor  # [T] int64
+    compressed_slot_mapping: torch.Tensor  # [T] int64
+    index_wk: torch.Tensor  # [128, 256] float32
+    kv_cache: torch.Tensor  # [P, 512, 512] float16 (random before the call)
+    compressed_key_cache: torch.Tensor  # [Q, 128, 1, 128] float16 (random before the call)
+
+    def args(self) -> tuple:
+        """Positional arguments of ``update_caches`` (and of its reference and custom op)."""
+        return (
+            self.key,
+            self.value,
+            self.slot_mapping,
+            self.compressed_slot_mapping,
+            self.index_wk,
+            self.kv_cache,
+            self.compressed_key_cache,
+        )
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        return {
+            "key": self.key,
+            "value": self.value,
+            "slot_mapping": self.slot_mapping,
+            "compressed_slot_mapping": self.compressed_slot_mapping,
+            "index_wk": self.index_wk,
+        }
+
+    def clone(self) -> UpdateCase:
+        """The same case with private copies of the two caches (the outputs)."""
+        return UpdateCase(
+            self.name,
+            self.key,
+            self.value,
+            self.slot_mapping,
+            self.compressed_slot_mapping,
+            self.index_wk,
+            self.kv_cache.clone(),
+            self.compressed_key_cache.clone(),
+        )
+
+    def to(self, device) -> UpdateCase:
+        return UpdateCase(self.name, *(t.to(device) for t in self.args()))
+
+    def __repr__(self) -> str:
+        return (
+            f"UpdateCase({self.name}: T={self.key.shape[0]}, P={self.kv_cache.shape[0]}, "
+            f"Q={self.compressed_key_cache.shape[0]})"
+        )
+
+
+def update_slots(
+    positions: Sequence[int], kv_pages: Sequence[int], ck_pages: Sequence[int]
+) -> tuple[list[int], list[int]]:
+    """(slot_mapping, compressed_slot_mapping) of one request's new tokens at ``positions``:
+    logical page p of the request is K/V page ``kv_pages[p]`` and compressed-key page
+    ``ck_pages[p]``; a compressed slot only on the token that completes its block."""
+    slots, ck_slots = [], []
+    for pos in positions:
+        page, offset = divmod(pos, KV_PAGE)
+        slots.append(kv_pages[page] * KV_PAGE + offset)
+        last = offset % COMPRESS_RATIO == COMPRESS_RATIO - 1
+        ck_slots.append(ck_pages[page] * CK_PAGE + offset // COMPRESS_RATIO if last else -1)
+    return slots, ck_slots
+
+
+def make_update_case(
+    T: int,
+    device="cpu",
+    seed: int = 0,
+    *,
+    requests: int = 3,
+    padded: int = 2,
+    every_row: bool = False,
+    name: str = "random",
+) -> UpdateCase:
+    """A step of ``requests`` requests sharing ``T`` rows (``padded`` of them -1, at the end,
+    as vLLM pads), each request continuing from a random context over pages drawn at
+    random, with different K/V and compressed-key page ids (the two caches may be allocated
+    apart). Caches start with random values, so untouched entries are checked too.
+    ``every_row``: every real row has a compressed slot (worst case for the benchmark)."""
+    gen = _gen(seed)
+    real = max(0, T - padded)
+    counts = [real // requests + (1 if b < real % requests else 0) for b in range(requests)]
+    starts = [int(torch.randint(0, 1100, (1,), generator=gen)) for _ in range(requests)]
+    pages_per_req = [-(-(s + c) // KV_PAGE) for s, c in zip(starts, counts, strict=True)]
+    num_pages = sum(pages_per_req) + 1
+    kv_order = torch.randperm(num_pages, generator=gen).tolist()
+    ck_order = torch.randperm(num_pages + 2, generator=gen).tolist()
+    slots: list[int] = []
+    ck_slots: list[int] = []
+    used = 0
+    for start, count, npg in zip(starts, counts, pages_per_req, strict=True):
+        kv_p, ck_p = kv_order[used : used + npg], ck_order[used : used + npg]
+        used += npg
+        s, c = update_slots(range(start, start + count), kv_p, ck_p)
+        if every_row:
+            c = [
+                ck_p[pos // KV_PAGE] * CK_PAGE + pos % KV_PAGE // COMPRESS_RATIO
+                for pos in range(start, start + count)
+            ]
+        slots += s
+        ck_slots += c
+    slots += [-1] * (T - real)
+    ck_slots += [-1] * (T - real)
+    case = UpdateCase(
+        name,
+        key=torch.randn(T, HEAD_DIM, generator=gen).to(torch.float16),
+        value=torch.randn(T, HEAD_DIM, generator=gen).to(torch.float16),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        compressed_slot_mapping=torch.tensor(ck_slots, dtype=torch.int64),
+        index_wk=torch.randn(INDEX_DIM, HEAD_DIM, generator=gen) * 0.1,
+        kv_cache=torch.randn(num_pages, KV_PAGE, PACKED_TOKEN_STRIDE, generator=gen).to(
+            torch.float16
+        ),
+        compressed_key_cache=torch.randn(num_pages + 2, CK_PAGE, 1, INDEX_DIM, generator=gen).to(
+            torch.float16
+        ),
+    )
+    return case.to(device)
+
+
+def _pairwise_rule(x):
+    """The contract's fold order stated recursively over index parity (an independent
+    formulation: fold(x) = fold(x[0::2]) + fold(x[1::2]), fold([a]) = a), numpy float32."""
+    if x.shape[-1] == 1:
+        return x[..., 0]
+    return _pairwise_rule(x[..., 0::2]) + _pairwise_rule(x[..., 1::2])
+
+
+def expected_update(case: UpdateCase):
+    """(kv, ck) numpy arrays the call must leave: [P * 512, 512] and [Q * 128, 128] float16.
+    Plain loops over rows in numpy float32 (no torch arithmetic, no float64), independent of
+    ``qsa_ops.reference``."""
+    import numpy as np
+
+    kv = case.kv_cache.cpu().numpy().reshape(-1, PACKED_TOKEN_STRIDE).copy()
+    ck = case.compressed_key_cache.cpu().numpy().reshape(-1, INDEX_DIM).copy()
+    key, value = case.key.cpu().numpy(), case.value.cpu().numpy()
+    slots = case.slot_mapping.cpu().tolist()
+    ck_slots = case.compressed_slot_mapping.cpu().tolist()
+    w = case.index_wk.cpu().numpy().astype(np.float32)
+    for t, s in enumerate(slots):
+        if 0 <= s < kv.shape[0]:
+            kv[s, :HEAD_DIM] = key[t]
+            kv[s, HEAD_DIM:] = value[t]
+    quarter = np.float32(0.25)
+    for s, c in zip(slots, ck_slots, strict=True):
+        if 0 <= s < kv.shape[0] and 0 <= c < ck.shape[0]:
+            first = s - s % COMPRESS_RATIO
+            k = kv[first : first + COMPRESS_RATIO, :HEAD_DIM].astype(np.float32)
+            mean = (((k[0] + k[1]) + k[2]) + k[3]) * quarter
+            ck[c] = _pairwise_rule(w * mean[None, :]).astype(np.float16)
+    return kv, ck
+
+
+def check_update(case: UpdateCase, kv_after: torch.Tensor, ck_after: torch.Tensor) -> None:
+    """Bit-exact against ``expected_update`` (every byte of both caches), and each written
+    compressed key within 1e-3 (relative to the row's largest) of a float64 evaluation."""
+    import numpy as np
+
+    kv, ck = expected_update(case)
+    got_kv = kv_after.cpu().numpy().reshape(kv.shape)
+    got_ck = ck_after.cpu().numpy().reshape(ck.shape)
+    for what, want, got in (("kv_cache", kv, got_kv), ("compressed_key_cache", ck, got_ck)):
+        diff = np.nonzero(want.view(np.uint16) != got.view(np.uint16))
+        if diff[0].size:
+            r, c = int(diff[0][0]), int(diff[1][0])
+            raise AssertionError(
+                f"{case!r}: {what} row {r} column {c}: expected {want[r, c]!r}, got "
+                f"{got[r, c]!r} ({diff[0].size} elements differ)"
+            )
+    w = case.index_wk.cpu().double()
+    for s, c in zip(
+        case.slot_mapping.cpu().tolist(), case.compressed_slot_mapping.cpu().tolist(), strict=True
+    ):
+        if 0 <= s < kv.shape[0] and 0 <= c < ck.shape[0]:
+            first = s - s % COMPRESS_RATIO
+            keys = torch.from_numpy(kv[first : first + COMPRESS_RATIO, :HEAD_DIM]).double()
+            exact = w @ keys.mean(dim=0)
+            err = (torch.from_numpy(ck[c]).double() - exact).abs().max()
+            if not err <= 1e-3 * max(1.0, float(exact.abs().max())):
+                raise AssertionError(f"{case!r}: compressed slot {c} off by {float(err)}")

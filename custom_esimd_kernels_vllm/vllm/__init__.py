@@ -10,5 +10,8 @@ from __future__ import annotations
 
 ARCHITECTURE = "Qwen38QSAForCausalLM"
 MODEL_MODULE = "custom_esimd_kernels_vllm.vllm.model"
+# the layer's one custom op (layer.py) and its name in vLLM's splitting-op list
+OP_NAME = "qsa_attention"
+SPLITTING_OP = f"vllm::{OP_NAME}"
 
-__all__ = ["ARCHITECTURE", "MODEL_MODULE"]
+__all__ = ["ARCHITECTURE", "MODEL_MODULE", "OP_NAME", "SPLITTING_OP"]

@@ -29,7 +29,7 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.utils import maybe_prefix
 from vllm.transformers_utils.config import set_default_rope_theta
 
-from ..qsa_ops.contract import ATTN_HEADS, HEAD_DIM, INDEX_DIM, INDEX_HEADS
+from ..qsa_ops.contract import ATTN_HEADS, HEAD_DIM, INDEX_DIM, INDEX_HEADS, WIDTH
 from .layer import QSAAttention
 from .qsa_config import QSAConfig
 
@@ -97,7 +97,7 @@ class Qwen38QSAAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         index_q, _ = self.index_wq(hidden_states)
         assert index_q.shape[-1] == INDEX_HEADS * INDEX_DIM
-        attn_output = self.attn(q, k, v, index_q, positions, self.index_wk.weight)
+        attn_output = self.attn(q, k, v, index_q, positions)
         output, _ = self.o_proj(attn_output)
         return output
 
@@ -154,6 +154,18 @@ class Qwen38QSAModel(Qwen2Model):
         super().__init__(
             vllm_config=vllm_config, prefix=prefix, decoder_layer_type=Qwen38QSADecoderLayer
         )
+        # NOTES: one selection buffer for all QSA layers (they run one after another on one
+        # stream), allocated with the weights so vLLM's memory profile counts it; upstream
+        # keeps one per layer. A fixed address is what CUDA-graph replay needs.
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self.register_buffer(
+            "qsa_selected", torch.empty(max_tokens, WIDTH, dtype=torch.int32), persistent=False
+        )
+        for attn in self.qsa_layers():
+            attn.selected = self.qsa_selected
+
+    def qsa_layers(self) -> list[QSAAttention]:
+        return [m for m in self.modules() if isinstance(m, QSAAttention)]
 
 
 class Qwen38QSAForCausalLM(Qwen3ForCausalLM):
@@ -185,4 +197,14 @@ class Qwen38QSAForCausalLM(Qwen3ForCausalLM):
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(weights)
+        loaded = super().load_weights(weights)
+        # The update operator takes W_ik in float32: one exact cast at load (none for a
+        # float32 checkpoint), never per step.
+        for layer in self.model.layers:
+            attn = getattr(layer, "self_attn", None)
+            if isinstance(attn, Qwen38QSAAttention):
+                attn.attn.index_wk = attn.index_wk.weight.detach().float().contiguous()
+        for attn in self.model.qsa_layers():
+            if attn.index_wk is None:
+                raise RuntimeError(f"QSA layer {attn.layer_name}: index_wk was not loaded")
+        return loaded

@@ -1,16 +1,17 @@
-"""Cache geometry of one QSA layer and the cache writes of one forward (torch only).
+"""Cache geometry of one QSA layer and the views the operators take (torch only).
 
-One KV-cache block (page) of 512 tokens holds, per layer, two regions of one raw float16
-buffer of ``P`` pages, both addressed by the same physical page id:
+Two caches per layer, each a vLLM-managed layer of its own (``spec.py``):
 
-* ``[0, P * 262144)``: the exact-packed K/V cache ``[P, 512, 512]`` (per token 256 K values
-  then 256 V values), viewed as ``k_cache``/``v_cache`` ``[P, 512, 1, 256]`` with strides
-  (262144, 512, 256, 1) and V at storage offset +256, as the attention operator requires;
-* ``[P * 262144, P * 278528)``: the compressed-key cache ``[P, 128, 1, 128]``.
+* K/V: vLLM's per-layer view ``[P, 1, 512, 512]`` float16 (block, head, token, K then V) is
+  the exact-packed buffer ``[P, 512, 512]`` with strides (262144, 512, 1); ``k_cache`` and
+  ``v_cache`` are its ``[P, 512, 1, 256]`` views with strides (262144, 512, 256, 1), V at
+  storage offset +256. Page x is one contiguous 524,288-byte range.
+* Compressed keys: vLLM's per-layer view ``[P', 1, 128, 128]`` float16 is the selection's
+  ``[P', 128, 1, 128]`` cache (a view: the head axis has size 1). Page x is one contiguous
+  32,768-byte range.
 
-NOTES: the regions are carved from the layer's whole buffer, not interleaved per page: an
-interleaved page (512 KiB K/V + 32 KiB keys) would make the K/V page stride 278528, and the
-operator contract fixes it at 262144. Bytes per page: 512 * 1024 + 128 * 256 = 557056.
+The views are checked once, when vLLM binds the caches (``kv_views`` / ``ck_view`` raise
+with what vLLM allocated and which layout would work); the per-step path only uses them.
 """
 
 from __future__ import annotations
@@ -19,102 +20,92 @@ from dataclasses import dataclass
 
 import torch
 
+from ..qsa_ops import reference
 from ..qsa_ops.contract import (
     CK_PAGE,
-    COMPRESS_RATIO,
-    HEAD_DIM,
     INDEX_DIM,
     KV_PAGE,
-    KV_STRIDES,
+    PACKED_KV_STRIDES,
     PACKED_TOKEN_STRIDE,
-    V_OFFSET,
+)
+from ..qsa_ops.contract import (
+    kv_views as _kv_views,
 )
 
 CACHE_DTYPE = torch.float16
 KV_PAGE_ELEMENTS = KV_PAGE * PACKED_TOKEN_STRIDE  # 262144
 CK_PAGE_ELEMENTS = CK_PAGE * INDEX_DIM  # 16384
-PAGE_ELEMENTS = KV_PAGE_ELEMENTS + CK_PAGE_ELEMENTS  # 278528
-PAGE_BYTES = PAGE_ELEMENTS * 2  # 557056
-TOKEN_BYTES = PAGE_BYTES // KV_PAGE  # 1088: what one token costs in one layer
+KV_PAGE_BYTES = KV_PAGE_ELEMENTS * 2  # 524288
+CK_PAGE_BYTES = CK_PAGE_ELEMENTS * 2  # 32768
+TOKEN_BYTES = (KV_PAGE_BYTES + CK_PAGE_BYTES) // KV_PAGE  # 1088: one token in one layer
+LAYOUT_HINT = "use a layer-outermost KV cache layout (VLLM_KV_CACHE_LAYOUT=LBNHC or LBHNC)"
 
 
 @dataclass(frozen=True)
-class QSALayerCache:
-    kv_pages: torch.Tensor  # [P, 512, 512] float16, exact-packed K/V
-    k_cache: torch.Tensor  # [P, 512, 1, 256] view of kv_pages
-    v_cache: torch.Tensor  # [P, 512, 1, 256] view of kv_pages, storage offset +256
-    ck_cache: torch.Tensor  # [P, 128, 1, 128] float16 compressed keys
-
-    @property
-    def num_pages(self) -> int:
-        return self.kv_pages.shape[0]
+class KVViews:
+    packed: torch.Tensor  # [P, 512, 512] float16, strides (262144, 512, 1)
+    k_cache: torch.Tensor  # [P, 512, 1, 256] view, strides (262144, 512, 256, 1)
+    v_cache: torch.Tensor  # [P, 512, 1, 256] view, storage offset + 256
 
 
-def carve(flat: torch.Tensor, num_pages: int) -> QSALayerCache:
-    """Split one layer's contiguous float16 buffer of ``num_pages`` pages into the caches."""
-    if flat.dtype != CACHE_DTYPE or flat.dim() != 1 or not flat.is_contiguous():
+def kv_views(layer_cache: torch.Tensor, layer_name: str = "QSA layer") -> KVViews:
+    """The operators' views of vLLM's K/V layer cache ``[P, 1, 512, 512]`` (ValueError when
+    vLLM allocated anything else, e.g. under a block-outermost layout)."""
+    expected = (KV_PAGE, PACKED_TOKEN_STRIDE)
+    if (
+        layer_cache.dtype != CACHE_DTYPE
+        or layer_cache.dim() != 4
+        or layer_cache.shape[1] != 1
+        or tuple(layer_cache.shape[2:]) != expected
+    ):
         raise ValueError(
-            f"QSA layer cache must be a contiguous 1-D float16 buffer, got dtype {flat.dtype}, "
-            f"shape {tuple(flat.shape)}, strides {flat.stride()}"
+            f"{layer_name}: vLLM allocated the K/V cache as dtype {layer_cache.dtype}, shape "
+            f"{tuple(layer_cache.shape)}; QSA needs float16 (P, 1, {KV_PAGE}, "
+            f"{PACKED_TOKEN_STRIDE}) (one KV head of dim 256, K then V per token)"
         )
-    if flat.numel() != num_pages * PAGE_ELEMENTS:
+    packed = layer_cache[:, 0]
+    if tuple(packed.stride()) != PACKED_KV_STRIDES:
         raise ValueError(
-            f"QSA layer cache of {num_pages} pages must hold {num_pages * PAGE_ELEMENTS} "
-            f"float16 elements ({PAGE_BYTES} bytes per page), got {flat.numel()}"
+            f"{layer_name}: the K/V cache pages have strides {tuple(packed.stride())}, QSA "
+            f"needs {PACKED_KV_STRIDES} (one dense 524288-byte run per page); {LAYOUT_HINT}"
         )
-    kv_pages = flat[: num_pages * KV_PAGE_ELEMENTS].view(num_pages, KV_PAGE, PACKED_TOKEN_STRIDE)
-    ck_cache = flat[num_pages * KV_PAGE_ELEMENTS :].view(num_pages, CK_PAGE, 1, INDEX_DIM)
-    shape = (num_pages, KV_PAGE, 1, HEAD_DIM)
-    base = kv_pages.storage_offset()
-    k_cache = kv_pages.as_strided(shape, KV_STRIDES, base)
-    v_cache = kv_pages.as_strided(shape, KV_STRIDES, base + V_OFFSET)
-    return QSALayerCache(kv_pages, k_cache, v_cache, ck_cache)
+    k_cache, v_cache = _kv_views(packed)
+    return KVViews(packed, k_cache, v_cache)
 
 
-def allocate(num_pages: int, device: torch.device | str = "cpu") -> QSALayerCache:
-    """A zeroed cache of ``num_pages`` pages (reference model and tests; vLLM allocates its own)."""
-    return carve(
-        torch.zeros(num_pages * PAGE_ELEMENTS, dtype=CACHE_DTYPE, device=device), num_pages
-    )
+def ck_view(layer_cache: torch.Tensor, layer_name: str = "QSA layer") -> torch.Tensor:
+    """The selection's ``[P', 128, 1, 128]`` view of vLLM's compressed-key layer cache
+    ``[P', 1, 128, 128]`` (ValueError for anything else)."""
+    expected = (CK_PAGE, INDEX_DIM)
+    if (
+        layer_cache.dtype != CACHE_DTYPE
+        or layer_cache.dim() != 4
+        or layer_cache.shape[1] != 1
+        or tuple(layer_cache.shape[2:]) != expected
+    ):
+        raise ValueError(
+            f"{layer_name}: vLLM allocated the compressed-key cache as dtype "
+            f"{layer_cache.dtype}, shape {tuple(layer_cache.shape)}; QSA needs float16 "
+            f"(P, 1, {CK_PAGE}, {INDEX_DIM})"
+        )
+    view = layer_cache.transpose(1, 2)
+    if not view.is_contiguous():
+        raise ValueError(
+            f"{layer_name}: the compressed-key cache pages have strides "
+            f"{tuple(layer_cache.stride())}, QSA needs one dense 32768-byte run per page; "
+            f"{LAYOUT_HINT}"
+        )
+    return view
+
+
+def allocate(num_pages: int, device: torch.device | str = "cpu") -> tuple[KVViews, torch.Tensor]:
+    """Zeroed caches of ``num_pages`` pages as vLLM would bind them (tests, reference model)."""
+    kv = torch.zeros(num_pages, 1, KV_PAGE, PACKED_TOKEN_STRIDE, dtype=CACHE_DTYPE, device=device)
+    ck = torch.zeros(num_pages, 1, CK_PAGE, INDEX_DIM, dtype=CACHE_DTYPE, device=device)
+    return kv_views(kv), ck_view(ck)
 
 
 def compress_keys(keys: torch.Tensor, index_wk: torch.Tensor) -> torch.Tensor:
-    """Compressed keys from the cached keys of whole blocks.
-
-    keys: [N, 4, 256] float16 (the block's 4 cached attention keys, in token order);
-    index_wk: [128, 256] -> [N, 128] float16 = W_ik @ (((K0 + K1) + K2) + K3) / 4.
-
-    NOTES: float32 math in a fixed order (explicit sum of the 4 rows, then an elementwise
-    product and a sum over 256) rather than a matmul, whose blocking may change the last bit
-    with the number of rows: the vLLM layer (any batch) and the reference model (one request)
-    must produce bit-identical keys, because exact score ties decide the selection order.
-    """
-    k = keys.float()
-    mean = (((k[:, 0] + k[:, 1]) + k[:, 2]) + k[:, 3]) * 0.25  # [N, 256]
-    w = index_wk.float()
-    return (mean[:, None, :] * w[None, :, :]).sum(dim=-1).to(CACHE_DTYPE)  # [N, 128]
-
-
-def write_kv(cache: QSALayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store K/V of new tokens: k, v [T, 256] float16; slots [T] int64 = page * 512 + offset."""
-    rows = cache.kv_pages.view(-1, PACKED_TOKEN_STRIDE)
-    rows.index_copy_(0, slots, torch.cat([k, v], dim=-1))
-
-
-def write_compressed_keys(
-    cache: QSALayerCache, slots: torch.Tensor, index_wk: torch.Tensor
-) -> None:
-    """Refresh the compressed key of the block of every new token (call after write_kv).
-
-    slots: [T] int64 physical slots of the new tokens. Each token rewrites its block's key from
-    the 4 cached rows of that block (a block never straddles pages: 512 % 4 == 0). Tokens of one
-    block compute the same value, so duplicate writes agree; a block whose last token is not
-    written yet gets a provisional value that selection never reads (it only reads blocks of
-    4 visible tokens) and that the block's last token overwrites.
-    """
-    page = torch.div(slots, KV_PAGE, rounding_mode="floor")
-    first = page * KV_PAGE + (slots % KV_PAGE) // COMPRESS_RATIO * COMPRESS_RATIO  # [T]
-    rows = first[:, None] + torch.arange(COMPRESS_RATIO, device=slots.device)  # [T, 4]
-    keys = cache.kv_pages.view(-1, PACKED_TOKEN_STRIDE)[rows, :HEAD_DIM]  # [T, 4, 256]
-    target = page * CK_PAGE + (slots % KV_PAGE) // COMPRESS_RATIO  # [T]
-    cache.ck_cache.view(-1, INDEX_DIM).index_copy_(0, target, compress_keys(keys, index_wk))
+    """Compressed keys of whole blocks: keys [N, 4, 256] float16, index_wk [128, 256] ->
+    [N, 128] float16, the operator contract's rule (``reference.compress_block_keys``)."""
+    return reference.compress_block_keys(keys, index_wk)

@@ -76,14 +76,14 @@ class QSAReferenceModel:
         v_all = self.v[layer][:, group]
         n = k_all.shape[0]
         pages = -(-n // KV_PAGE)
-        cache = paging.allocate(pages)
-        packed = cache.kv_pages.view(-1, 2 * HEAD_DIM)
+        views, ck_cache = paging.allocate(pages)
+        packed = views.packed.view(-1, 2 * HEAD_DIM)
         packed[:n, :HEAD_DIM] = k_all
         packed[:n, HEAD_DIM:] = v_all
         blocks = n // COMPRESS_RATIO
         if blocks:
             keys = k_all[: blocks * COMPRESS_RATIO].view(blocks, COMPRESS_RATIO, HEAD_DIM)
-            cache.ck_cache.view(pages * CK_PAGE, INDEX_DIM)[:blocks] = paging.compress_keys(
+            ck_cache.view(pages * CK_PAGE, INDEX_DIM)[:blocks] = paging.compress_keys(
                 keys, index_wk
             )
         rows = q.shape[0]
@@ -92,12 +92,12 @@ class QSAReferenceModel:
         seq_lens = torch.tensor([n], dtype=torch.int32)
         selected = torch.empty(rows, WIDTH, dtype=torch.int32)
         reference.select_paged_tokens_ref(
-            iq, cache.ck_cache, page_table, token_to_req, positions, seq_lens, selected
+            iq, ck_cache, page_table, token_to_req, positions, seq_lens, selected
         )
         self.last_selected = selected
         out = torch.empty(rows, ATTN_HEADS, HEAD_DIM, dtype=HALF)
         reference.sparse_paged_attention_ref(
-            q, cache.k_cache, cache.v_cache, selected, page_table, token_to_req, out, HEAD_DIM**-0.5
+            q, views.k_cache, views.v_cache, selected, page_table, token_to_req, out, HEAD_DIM**-0.5
         )
         return out
 

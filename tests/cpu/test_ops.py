@@ -49,7 +49,7 @@ def test_registered_schema_is_the_table(op):
     assert check == f"qsa_check::{op}{ops.SCHEMAS[op]}"
 
 
-_CPP_TYPES = {"Tensor": "Tensor", "Tensor(a!)": "Tensor", "int": "int64_t",
+_CPP_TYPES = {"Tensor": "Tensor", "Tensor(a!)": "Tensor", "Tensor(b!)": "Tensor", "int": "int64_t",
               "float?": "std::optional<double>"}  # fmt: skip
 
 
@@ -66,7 +66,8 @@ def test_cpp_kernel_follows_the_schema(op):
 
 def test_contract_validators_name_the_schema_arguments():
     for op, spec in (("select_paged_tokens", contract._SELECT),
-                     ("sparse_paged_attention", contract._ATTENTION)):  # fmt: skip
+                     ("sparse_paged_attention", contract._ATTENTION),
+                     ("update_caches", contract._UPDATE)):  # fmt: skip
         tensors = [n for n in ops.public_arguments(op) if n in spec.names]
         assert tuple(tensors) == spec.names
         params = tuple(inspect.signature(ops.VALIDATORS[op]).parameters)
@@ -77,7 +78,7 @@ def test_reference_kernels_take_the_schema_arguments():
     for op in OPS:
         names = tuple(inspect.signature(ops.CHECKS[op]).parameters)[:-1]
         assert len(names) == len(ops.schema_arguments(op))
-        assert names[-1] in ("out", "scale")
+        assert names[-1] in ("out", "scale", "compressed_key_cache")
     assert "out" in inspect.signature(reference.select_paged_tokens_ref).parameters
 
 
@@ -126,6 +127,8 @@ def _outcome(fn, *args):
 
 
 def _base_args(op: str) -> list:
+    if op == "update_caches":
+        return list(testing.make_update_case(6, seed=3).args())
     if op == "select_paged_tokens":
         return list(testing.make_select_case("multi_request", 2, seed=3).args())
     case = testing.make_attention_case("holes_dups_cross_page", 2, seed=3)
@@ -133,6 +136,9 @@ def _base_args(op: str) -> list:
 
 
 def _shapes(op: str) -> dict[str, tuple]:
+    if op == "update_caches":
+        spec = contract._UPDATE
+        return dict(zip(spec.names, spec.shapes, strict=True))
     if op == "select_paged_tokens":
         spec = contract._SELECT
         return dict(zip(spec.names, spec.shapes, strict=True))
@@ -146,9 +152,13 @@ def _op_names(op: str) -> list[str]:
     return [name for _, name in ops.schema_arguments(op)]
 
 
+def _outputs(op: str) -> tuple[str, ...]:
+    return ("kv_cache", "compressed_key_cache") if op == "update_caches" else ("out",)
+
+
 def _corpus(op: str):
     args = _base_args(op)
-    changes = testing.refusal_mutations(args, _op_names(op), _shapes(op))
+    changes = testing.refusal_mutations(args, _op_names(op), _shapes(op), _outputs(op))
     ints = [(n, i) for i, (t, n) in enumerate(ops.schema_arguments(op)) if t == "int"]
     for name, i in ints:
         changes.append((f"{name}: wrong value", i, args[i] * 2))

@@ -1,4 +1,4 @@
-"""CPU checks of the integration's torch-only parts (no vLLM needed): cache carving, cache
+"""CPU checks of the integration's torch-only parts (no vLLM needed): cache views, cache
 writes under any batching, the per-rank config check and the tiny checkpoint's determinism."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from custom_esimd_kernels_vllm import qsa_ops
+from custom_esimd_kernels_vllm.qsa_ops import update_caches
 from custom_esimd_kernels_vllm.qsa_ops.contract import (
     CK_PAGE,
     COMPRESS_RATIO,
@@ -19,18 +20,18 @@ from custom_esimd_kernels_vllm.qsa_ops.contract import (
     V_OFFSET,
     WIDTH,
 )
+from custom_esimd_kernels_vllm.qsa_ops.testing import update_slots
 from custom_esimd_kernels_vllm.vllm import paging
 from custom_esimd_kernels_vllm.vllm.qsa_config import QSAConfig
 
 
-def test_carve_gives_the_contract_layout():
-    cache = paging.allocate(3)
-    assert cache.kv_pages.shape == (3, KV_PAGE, 2 * HEAD_DIM)
-    assert cache.k_cache.stride() == KV_STRIDES and cache.v_cache.stride() == KV_STRIDES
-    assert cache.v_cache.storage_offset() - cache.k_cache.storage_offset() == V_OFFSET
-    assert cache.ck_cache.shape == (3, CK_PAGE, 1, INDEX_DIM) and cache.ck_cache.is_contiguous()
-    assert cache.ck_cache.data_ptr() == cache.kv_pages.data_ptr() + 3 * paging.KV_PAGE_ELEMENTS * 2
-    assert paging.PAGE_BYTES == 512 * 1024 + 128 * 256
+def test_views_are_the_contract_layout():
+    views, ck = paging.allocate(3)
+    assert views.packed.shape == (3, KV_PAGE, 2 * HEAD_DIM) and views.packed.is_contiguous()
+    assert views.k_cache.stride() == KV_STRIDES and views.v_cache.stride() == KV_STRIDES
+    assert views.v_cache.storage_offset() - views.k_cache.storage_offset() == V_OFFSET
+    assert ck.shape == (3, CK_PAGE, 1, INDEX_DIM) and ck.is_contiguous()
+    assert paging.KV_PAGE_BYTES == 512 * 1024 and paging.CK_PAGE_BYTES == 128 * 256
     # the operators accept the views as they are
     q = torch.randn(2, 3, HEAD_DIM).half()
     idx = torch.full((2, WIDTH), -1, dtype=torch.int32)
@@ -39,50 +40,46 @@ def test_carve_gives_the_contract_layout():
     page_table = torch.tensor([[1]], dtype=torch.int32)
     token_to_req = torch.zeros(2, dtype=torch.int32)
     qsa_ops.sparse_paged_attention(
-        q, cache.k_cache, cache.v_cache, idx, page_table, token_to_req, KV_PAGE, out
+        q, views.k_cache, views.v_cache, idx, page_table, token_to_req, KV_PAGE, out
     )
 
 
-@pytest.mark.parametrize(
-    "flat, match",
-    [
-        (torch.zeros(paging.PAGE_ELEMENTS * 2, dtype=torch.float32), "float16"),
-        (torch.zeros(paging.PAGE_ELEMENTS * 2 - 1, dtype=torch.float16), "must hold"),
-    ],
-)
-def test_carve_refuses_wrong_buffers(flat, match):
-    with pytest.raises(ValueError, match=match):
-        paging.carve(flat, 2)
+def test_views_of_a_block_outermost_layout_are_refused():
+    # two layers interleaved per block (BLNHC): the layer's page stride is two pages
+    both = torch.zeros(4, 2, 1, KV_PAGE, 2 * HEAD_DIM, dtype=torch.float16)
+    with pytest.raises(ValueError, match="VLLM_KV_CACHE_LAYOUT=LBNHC"):
+        paging.kv_views(both[:, 0], "layer0")
+    ck = torch.zeros(4, 2, 1, CK_PAGE, INDEX_DIM, dtype=torch.float16)
+    with pytest.raises(ValueError, match="VLLM_KV_CACHE_LAYOUT=LBNHC"):
+        paging.ck_view(ck[:, 0], "layer0")
+    with pytest.raises(ValueError, match="needs float16"):
+        paging.kv_views(torch.zeros(2, 1, KV_PAGE, 2 * HEAD_DIM), "layer0")
 
 
-def _run(cache, k, v, slots, wk, step):
+def _run(views, ck, k, v, slots, ck_slots, wk, step):
     for start in range(0, len(slots), step):
         sl = slice(start, start + step)
-        paging.write_kv(cache, k[sl], v[sl], slots[sl])
-        paging.write_compressed_keys(cache, slots[sl], wk)
+        update_caches(k[sl], v[sl], slots[sl], ck_slots[sl], wk, views.packed, ck)
 
 
 @pytest.mark.parametrize("step, n", [(1, 520), (3, 1100), (4, 1100), (7, 1100), (1100, 1100)])
 def test_cache_writes_do_not_depend_on_batching(step, n):
     torch.manual_seed(0)
-    pages = [5, 2, 7]  # a request over non-consecutive physical pages
-    positions = torch.arange(n)
-    page_of = torch.tensor(pages)[positions // KV_PAGE]
-    slots = page_of * KV_PAGE + positions % KV_PAGE
+    kv_pages, ck_pages = [5, 2, 7], [1, 6, 3]  # the two layers' own page ids
+    slots, ck_slots = (torch.tensor(x) for x in update_slots(range(n), kv_pages, ck_pages))
     k, v = torch.randn(n, HEAD_DIM).half(), torch.randn(n, HEAD_DIM).half()
     wk = torch.randn(INDEX_DIM, HEAD_DIM) / 16
     whole = paging.allocate(8)
-    _run(whole, k, v, slots, wk, n)
-    cache = paging.allocate(8)
-    _run(cache, k, v, slots, wk, step)
-    assert torch.equal(cache.kv_pages, whole.kv_pages)
+    _run(*whole, k, v, slots, ck_slots, wk, n)
+    views, ck = paging.allocate(8)
+    _run(views, ck, k, v, slots, ck_slots, wk, step)
+    assert torch.equal(views.packed, whole[0].packed) and torch.equal(ck, whole[1])
     blocks = n // COMPRESS_RATIO
     expected = paging.compress_keys(k[: blocks * 4].view(blocks, 4, HEAD_DIM), wk)
     for j in range(blocks):
-        page, slot = pages[j // CK_PAGE], j % CK_PAGE
-        assert torch.equal(cache.ck_cache[page, slot, 0], expected[j]), f"block {j}"
-        assert torch.equal(whole.ck_cache[page, slot, 0], expected[j]), f"block {j}"
-    packed = cache.kv_pages[torch.tensor(pages)].reshape(-1, 2 * HEAD_DIM)[:n]
+        page, slot = ck_pages[j // CK_PAGE], j % CK_PAGE
+        assert torch.equal(ck[page, slot, 0], expected[j]), f"block {j}"
+    packed = views.packed[torch.tensor(kv_pages)].reshape(-1, 2 * HEAD_DIM)[:n]
     assert torch.equal(packed[:, :HEAD_DIM], k) and torch.equal(packed[:, HEAD_DIM:], v)
 
 

@@ -21,14 +21,41 @@ _ADDRESS = re.compile(r"0x[0-9a-f]+")
 
 
 def _public_case(op: str, device: str):
+    if op == "update_caches":
+        return testing.make_update_case(6, device, seed=3)
     if op == "select_paged_tokens":
         return testing.make_select_case("multi_request", 2, device, seed=3)
     return testing.make_attention_case("holes_dups_cross_page", 2, device, seed=3)
 
 
 def _shapes(op: str) -> dict[str, tuple]:
-    spec = contract._SELECT if op == "select_paged_tokens" else contract._ATTENTION
+    spec = {"select_paged_tokens": contract._SELECT, "update_caches": contract._UPDATE}.get(
+        op, contract._ATTENTION
+    )
     return dict(zip(spec.names, spec.shapes, strict=True))
+
+
+def _outputs(op: str) -> tuple[str, ...]:
+    return ("kv_cache", "compressed_key_cache") if op == "update_caches" else ("out",)
+
+
+def _written(op: str, args) -> list:
+    names = ops.public_arguments(op)
+    return [args[names.index(o)] for o in _outputs(op)]
+
+
+def _snapshot(tensors) -> list:
+    return [
+        t.clone() if isinstance(t, torch.Tensor) and t.device.type != "meta" else None
+        for t in tensors
+    ]
+
+
+def _unchanged(tensors, before) -> bool:
+    return all(
+        b is None or torch.equal(t.nan_to_num(7), b.nan_to_num(7))
+        for t, b in zip(tensors, before, strict=True)
+    )
 
 
 def _outcome(op: str, args) -> tuple[str, str] | None:
@@ -45,8 +72,10 @@ def _mutations(op: str, device: str):
     case = _public_case(op, device)
     args = list(case.args())
     names = ops.public_arguments(op)
-    changes = testing.refusal_mutations(args, names, _shapes(op))
-    if op == "sparse_paged_attention":
+    changes = testing.refusal_mutations(args, names, _shapes(op), _outputs(op))
+    if op == "update_caches":
+        pass  # no int arguments; the schema's tensors are the whole corpus
+    elif op == "sparse_paged_attention":
         k, v = names.index("k_cache"), names.index("v_cache")
         changes.append(("v_cache: offset 0", v, args[k]))
         changes.append(("v_cache: own storage", v, args[v].clone()))
@@ -72,11 +101,11 @@ def test_cuda_refusal_matches_cpu(cuda_backend, op, label):
         case, args, changes = _mutations(op, device)
         ((_, index, value),) = [c for c in changes if c[0] == label]
         bad = testing.apply_mutation(args, index, value)
-        out = bad[ops.public_arguments(op).index("out")]
-        before = out.clone() if isinstance(out, torch.Tensor) else None
+        written = _written(op, bad)
+        before = _snapshot(written)
         results.append(_outcome(op, bad))
-        if before is not None and results[-1] is not None:
-            assert torch.equal(out.nan_to_num(7), before.nan_to_num(7)), "out written on refusal"
+        if results[-1] is not None:
+            assert _unchanged(written, before), "out written on refusal"
     assert results[1] == results[0], f"{op} / {label}"  # both None: a free size, still valid
 
 
@@ -95,14 +124,13 @@ def test_generated_bad_input_is_refused_cleanly(cuda_backend, op, data):
     bad = list(args)
     for _, index, value in picked:
         bad = testing.apply_mutation(bad, index, value)
-    out = bad[ops.public_arguments(op).index("out")]
-    before = out.clone() if isinstance(out, torch.Tensor) and out.device.type != "meta" else None
+    written = _written(op, bad)
+    before = _snapshot(written)
     result = _outcome(op, bad)
     if result is None:  # every picked change kept the call valid (e.g. a free size)
         return
     torch.cuda.synchronize()
-    if before is not None:
-        assert torch.equal(out.nan_to_num(7), before.nan_to_num(7)), "out written on refusal"
+    assert _unchanged(written, before), "out written on refusal"
 
 
 def test_opcheck_select_cuda(cuda_backend):
@@ -126,15 +154,16 @@ def test_library_reports_its_build(cuda_backend):
 @pytest.mark.parametrize("op", OPS)
 def test_mixed_devices_refused_with_the_contract_message(cuda_backend, op):
     names = ops.public_arguments(op)
+    first = names[0]
     for i, name in enumerate(names):
         case = _public_case(op, DEVICE)
         args = list(case.args())
-        if not isinstance(args[i], torch.Tensor) or name in ("q", "v_cache"):
+        if not isinstance(args[i], torch.Tensor) or name in (first, "v_cache"):
             continue
         if name == "k_cache":  # the pair moves together (the buffer the operator takes)
             args[i], args[i + 1] = testing.packed_kv(args[i].shape[0], "cpu")[1:]
         else:
             args[i] = args[i].cpu()
-        with pytest.raises(ValueError, match=f"^{name} must be on the same device as q "
+        with pytest.raises(ValueError, match=f"^{name} must be on the same device as {first} "
                            r"\(cuda:0\), got cpu$"):  # fmt: skip
             getattr(qsa_ops, op)(*args)
