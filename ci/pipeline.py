@@ -697,6 +697,24 @@ def built_dso() -> Path:
     return found[0]
 
 
+_TORCH_DIR = re.compile(r"/\S*?/site-packages/torch/")
+
+
+def portable_command(line: str) -> str:
+    """A compiler command with the checkout as ``.`` and torch's directory as ``<torch>/``."""
+    return _TORCH_DIR.sub("<torch>/", line.replace(f"{ROOT}/", "./").replace(str(ROOT), "."))
+
+
+def source_date_epoch() -> str:
+    """SOURCE_DATE_EPOCH for reproducible archives: the commit's time (1980 without git)."""
+    try:
+        out = subprocess.run(["git", "log", "-1", "--format=%ct"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        out = ""
+    return out or "315532800"
+
+
 def target_record(target: build_targets.Target) -> dict[str, Any]:
     return {
         "name": target.name,
@@ -719,8 +737,14 @@ def build_native(env: Env, target: build_targets.Target) -> None:
     changed = diff_keys(sources, provenance.source_digests(ROOT))
     if changed:
         raise Failed(f"sources changed during the build, so the DSO matches neither: {changed}")
-    # setup.py prints every compiler command it runs: the manifest keeps them verbatim.
-    commands = [ln for ln in output.splitlines() if ln.split(" ", 1)[0] == target.toolchain]
+    # setup.py prints every compiler command it runs: the manifest keeps them, with the
+    # checkout's and torch's locations written relative (so that the same commit gives the
+    # same manifest, and so the same wheel, in any clone).
+    commands = [
+        portable_command(ln)
+        for ln in output.splitlines()
+        if ln.split(" ", 1)[0] == target.toolchain
+    ]
     dso = built_dso()
     manifest = provenance.make_manifest(
         target=target_record(target),
@@ -776,6 +800,7 @@ def wheel(env: Env) -> None:
         "--no-build-isolation",
         "--wheel-dir",
         DIST,
+        env={"SOURCE_DATE_EPOCH": source_date_epoch()},  # zip member times: the commit's
     )
     (whl,) = DIST.glob("*.whl")
     members = wheel_members(whl)
