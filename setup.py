@@ -139,21 +139,13 @@ class BuildQsaCuda(build_ext):
             list(pool.map(self._run, [cmd for cmd, _ in jobs]))
         objects = [obj for _, obj in jobs]
         # NOTES: nvcc links the CUDA runtime statically (its default), so the library depends on
-        # the driver and libtorch_cpu only; libtorch_cpu is named without a path (torch has
-        # loaded it already when torch.ops.load_library opens this file).
-        self._run(
-            [
-                nvcc,
-                *TARGET.arch_flags,
-                "-shared",
-                *TARGET.link_flags,
-                *objects,
-                f"-L{torch_lib}",
-                "-ltorch_cpu",
-                "-o",
-                str(out),
-            ]  # fmt: skip
-        )
+        # the driver and libtorch_cpu only (torch has loaded it already when
+        # torch.ops.load_library opens this file). libtorch_cpu goes to the host linker only, by
+        # file: the binary records its SONAME, while nvcc writes its own -L/-l arguments (and
+        # LIBRARY_PATH) into the binary, which would tie the bytes to where torch lives.
+        libtorch = Path(torch_lib) / "libtorch_cpu.so"
+        link = [nvcc, *TARGET.arch_flags, "-shared", *TARGET.link_flags, *objects]
+        self._run([*link, f"-Xlinker={libtorch}", "-o", str(out)])
 
     @staticmethod
     def _run(cmd: list[str]) -> None:
