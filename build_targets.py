@@ -1,4 +1,5 @@
-"""Build targets of the QSA ops: the one authoritative place for toolchains, flags and macros.
+"""Build targets of the QSA ops: the one authoritative place for toolchains and flags (the
+contract's constants live in csrc/qsa/contract.h and qsa_ops/contract.py).
 
 Read by ``setup.py`` (the package build), ``ci/pipeline.py`` (the pipeline) and the provenance
 manifest. Standard library only.
@@ -11,25 +12,7 @@ with that reason before it looks for a compiler.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-# NOTES: the macros are the validated contract of the kernels (one rank of TP8). They are
-# compiled into the DSO and reported by its build_info(); the Python contract module holds
-# the same numbers and a test checks that the two agree.
-CONTRACT_MACROS: dict[str, int] = {
-    "QSA_TOKEN_TOPK": 2048,
-    "QSA_COMPRESS_RATIO": 4,
-    "QSA_BLOCK_TOPK": 512,
-    "QSA_TAIL": 3,
-    "QSA_WIDTH": 2051,
-    "QSA_KV_PAGE": 512,
-    "QSA_CK_PAGE": 128,
-    "QSA_ATTN_HEADS": 3,
-    "QSA_HEAD_DIM": 256,
-    "QSA_INDEX_HEADS": 4,
-    "QSA_INDEX_DIM": 128,
-}
-
+from dataclasses import dataclass
 
 # The oldest torch the compiled library loads into: 2.11 (major << 56 | minor << 48).
 TORCH_TARGET_VERSION = (2 << 56) | (11 << 48)
@@ -43,13 +26,9 @@ class Target:
     flags: tuple[str, ...]
     link_flags: tuple[str, ...] = ()
     torch_flags: tuple[str, ...] = ()  # for the op-layer source that includes torch's headers
-    macros: dict[str, int] = field(default_factory=lambda: dict(CONTRACT_MACROS))
     container_image: str = ""  # docker/ recipe that builds this target
     description: str = ""
     planned: bool = False  # declared, but csrc/ has no kernel sources for it yet
-
-    def macro_flags(self) -> list[str]:
-        return [f"-D{k}={v}" for k, v in sorted(self.macros.items())]
 
 
 def _planned_bmg(name: str) -> Target:

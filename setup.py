@@ -6,7 +6,8 @@ serves every Python 3 and torch >= the target version in build_targets.py. It is
 against the headers of the torch installed in the build environment and links
 ``libtorch_cpu`` (for the stable C shim) and the CUDA runtime statically.
 
-Flags and contract macros come from build_targets.py (target ``cuda-sm90``) and nowhere else;
+Flags come from build_targets.py (target ``cuda-sm90``) and nowhere else (the contract's
+constants are csrc/qsa/contract.h);
 this file adds only include directories and three build-info strings (arch, version, source
 SHA256) that torch_ops.cpp reports through ``qsa_build_info_json()``.
 
@@ -114,7 +115,6 @@ class BuildQsaCuda(build_ext):
         common = [
             *TARGET.arch_flags,
             *TARGET.flags,
-            *TARGET.macro_flags(),
             f"-I{CSRC}",
         ]
         torch_flags = [

@@ -721,7 +721,6 @@ def target_record(target: build_targets.Target) -> dict[str, Any]:
         "toolchain": target.toolchain,
         "arch_flags": list(target.arch_flags),
         "flags": list(target.flags),
-        "macros": dict(sorted(target.macros.items())),
     }
 
 

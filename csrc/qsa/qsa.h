@@ -1,12 +1,10 @@
 // QSA kernels: torch-free interface (pointers, sizes, strides, cudaStream_t -> cudaError_t).
 //
 // The op layer (csrc/torch_ops.cpp) validates every argument against the contract before it
-// calls in here; these entry points only launch. Every launch is followed by cudaGetLastError() and the
-// first error is returned. Grid sizes depend on the shapes only, nothing is read back to the
-// host, and nothing is allocated: the entry points are safe inside CUDA-graph capture.
-//
-// Contract constants come from the build (-DQSA_...=N, one authoritative list in
-// build_targets.py); the kernels refuse to compile without them.
+// calls in here; these entry points only launch. Every launch is followed by
+// cudaGetLastError() and the first error is returned. Grid sizes depend on the shapes only,
+// nothing is read back to the host, and nothing is allocated: the entry points are safe inside
+// CUDA-graph capture. Contract constants: contract.h (QSA_*).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,12 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#if !defined(QSA_TOKEN_TOPK) || !defined(QSA_COMPRESS_RATIO) || !defined(QSA_BLOCK_TOPK) ||   \
-    !defined(QSA_TAIL) || !defined(QSA_WIDTH) || !defined(QSA_KV_PAGE) || !defined(QSA_CK_PAGE) || \
-    !defined(QSA_ATTN_HEADS) || !defined(QSA_HEAD_DIM) || !defined(QSA_INDEX_HEADS) ||         \
-    !defined(QSA_INDEX_DIM)
-#error "QSA contract macros missing: build through setup.py (build_targets.py owns the -D list)"
-#endif
+#include "contract.h"
 
 namespace qsa {
 

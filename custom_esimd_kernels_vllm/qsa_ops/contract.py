@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-# --- the validated contract (mirrors build_targets.CONTRACT_MACROS; see check_macros) ---
+# --- the validated contract: the Python half of its one definition per language (the C++ half
+# is csrc/qsa/contract.h; tests/cpu/test_contract.py compares them, check_macros the library) ---
 TOKEN_TOPK = 2048  # tokens chosen by the indexer
 COMPRESS_RATIO = 4  # tokens per compressed key ("block")
 BLOCK_TOPK = TOKEN_TOPK // COMPRESS_RATIO  # 512 blocks chosen
@@ -71,8 +72,8 @@ MACRO_PREFIX = "QSA_"
 
 
 def check_macros(macros: Mapping[str, int]) -> None:
-    """Raise ValueError unless ``macros`` (e.g. ``build_targets.CONTRACT_MACROS`` or the
-    compiled module's ``build_info()["macros"]``) equals the Python constants exactly."""
+    """Raise ValueError unless ``macros`` (csrc/qsa/contract.h's ``QSA_*`` values, or the
+    compiled library's report of them) equals the Python constants exactly."""
     expected = {MACRO_PREFIX + k: v for k, v in CONSTANTS.items()}
     given = {str(k): v for k, v in macros.items()}
     problems = []

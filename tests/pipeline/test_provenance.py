@@ -27,7 +27,7 @@ def fake_install(tmp_path, monkeypatch):
 
 def write_manifest(root, dso, **overrides):
     manifest = provenance.make_manifest(
-        target={"name": "cuda-sm90", "macros": {"QSA_TOKEN_TOPK": 2048}},
+        target={"name": "cuda-sm90"},
         toolchain={"nvcc": "Cuda compilation tools, release 13.0, V13.0.88"},
         sources={"csrc/a.cu": "0" * 64},
         git={"commit": "abc", "dirty": False},
