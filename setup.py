@@ -134,9 +134,12 @@ class BuildQsaCuda(build_ext):
             obj = str(tmp / (Path(src).name + ".o"))
             extra = [*torch_flags, *info] if src == BINDINGS else []
             jobs.append(([nvcc, *common, *extra, "-c", src, "-o", obj], obj))
-        # The translation units are independent: compile them in parallel.
+        # The translation units are independent: compile them in parallel (the commands are
+        # printed first, in order: the build's manifest records them).
+        for cmd, _ in jobs:
+            print(" ".join(cmd), flush=True)
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-            list(pool.map(self._run, [cmd for cmd, _ in jobs]))
+            list(pool.map(self._compile, [cmd for cmd, _ in jobs]))
         objects = [obj for _, obj in jobs]
         # NOTES: nvcc links the CUDA runtime statically (its default), so the library depends on
         # the driver and libtorch_cpu only (torch has loaded it already when
@@ -148,9 +151,13 @@ class BuildQsaCuda(build_ext):
         self._run([*link, f"-Xlinker={libtorch}", "-o", str(out)])
 
     @staticmethod
-    def _run(cmd: list[str]) -> None:
-        print(" ".join(cmd), flush=True)
+    def _compile(cmd: list[str]) -> None:
         subprocess.run(cmd, cwd=ROOT, check=True)
+
+    @classmethod
+    def _run(cls, cmd: list[str]) -> None:
+        print(" ".join(cmd), flush=True)
+        cls._compile(cmd)
 
 
 try:

@@ -697,12 +697,13 @@ def built_dso() -> Path:
     return found[0]
 
 
-_TORCH_DIR = re.compile(r"/\S*?/site-packages/torch/")
+_TORCH_DIR = re.compile(r"[^\s=]*/site-packages/torch/")
 
 
 def portable_command(line: str) -> str:
-    """A compiler command with the checkout as ``.`` and torch's directory as ``<torch>/``."""
-    return _TORCH_DIR.sub("<torch>/", line.replace(f"{ROOT}/", "./").replace(str(ROOT), "."))
+    """A compiler command with torch's directory as ``<torch>/`` and the checkout as ``.``."""
+    line = _TORCH_DIR.sub("<torch>/", line)
+    return line.replace(f"{ROOT}/", "./").replace(str(ROOT), ".")
 
 
 def source_date_epoch() -> str:
