@@ -83,11 +83,14 @@ def sanitizer(env: Env, pyenv: dict[str, str], cwd: Path, tool: str) -> None:
     )
 
 
-def bench_json(env: Env, path: Path, pyenv: dict[str, str], cwd: Path) -> dict[str, Any]:
-    """The timing section of the validation record: the package's benchmark, as JSON."""
+def bench_json(
+    env: Env, path: Path, pyenv: dict[str, str], cwd: Path, commit: str
+) -> dict[str, Any]:
+    """The timing section of the validation record: the package's benchmark, as JSON, naming
+    the commit the wheel was built from (the GPU host's tree may have no git history)."""
     out_dir = path.parent / "bench"
     env.run("python", "-m", f"{PACKAGE}.bench", "--validation", path, "--out-dir", out_dir,
-            env=pyenv, cwd=cwd, timeout=600)  # fmt: skip
+            "--commit", commit, env=pyenv, cwd=cwd, timeout=600)  # fmt: skip
     return json.loads(path.read_text())
 
 
@@ -136,6 +139,8 @@ def kernels(env: Env) -> None:
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     evidence = provenance_check(env, pyenv, site, scratch)
+    manifest = json.loads((site / PACKAGE / provenance.MANIFEST_NAME).read_text())
+    commit = str((manifest.get("git") or {}).get("commit"))
     checks = env.details["checks"] = {"provenance": "passed"}
     junit, timing = DIST / "junit-kernels.xml", DIST / "gpu-timing.json"
     junit.unlink(missing_ok=True)
@@ -156,7 +161,7 @@ def kernels(env: Env) -> None:
         ),
         "memcheck": lambda: sanitizer(env, pyenv, scratch, "memcheck"),
         "racecheck": lambda: sanitizer(env, pyenv, scratch, "racecheck"),
-        "timing": lambda: bench_json(env, timing, pyenv, scratch),
+        "timing": lambda: bench_json(env, timing, pyenv, scratch, commit),
     }
     for name, func in steps.items():
         try:
@@ -170,7 +175,6 @@ def kernels(env: Env) -> None:
     except Failed as exc:  # still write the record: the checks above are the evidence
         info = {"gpu_info_error": str(exc)}
         checks["gpu_info"] = f"failed: {exc}"
-    manifest = json.loads((site / PACKAGE / provenance.MANIFEST_NAME).read_text())
     counts, cases = junit_cases(junit) if junit.is_file() else ({}, [])
     source = provenance.source_sha256(ROOT)
     record = {

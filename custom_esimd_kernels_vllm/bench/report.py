@@ -262,7 +262,8 @@ def _upstream_line(data: dict) -> str:
         return ""
     if not up.get("available"):
         return f"Upstream (vLLM's own kernels): **skipped** — {up.get('skip')}."
-    line = (f"Upstream: vLLM {up.get('version')}'s Triton kernels from {up.get('source')}, "
+    version = up.get("version") or "(version not recorded)"
+    line = (f"Upstream: vLLM {version}'s Triton kernels from {up.get('source')}, "
             f"bfloat16 (same bytes as our float16); top-k: {up.get('topk')}.")  # fmt: skip
     if not up.get("compiled_topk"):
         line += (f" Quoted compiled top-k figures: {up.get('quoted_topk_source')}: "
