@@ -48,21 +48,29 @@ class KVViews:
     v_cache: torch.Tensor  # [P, 512, 1, 256] view, storage offset + 256
 
 
-def kv_views(layer_cache: torch.Tensor, layer_name: str = "QSA layer") -> KVViews:
-    """The operators' views of vLLM's K/V layer cache ``[P, 1, 512, 512]`` (ValueError when
-    vLLM allocated anything else, e.g. under a block-outermost layout)."""
-    expected = (KV_PAGE, PACKED_TOKEN_STRIDE)
+def _check_layer_cache(
+    layer_cache: torch.Tensor, layer_name: str, what: str, inner: tuple[int, int], why: str = ""
+) -> None:
+    """vLLM's per-layer view ``[P, 1, *inner]`` float16 of one QSA cache layer, else ValueError."""
     if (
         layer_cache.dtype != CACHE_DTYPE
         or layer_cache.dim() != 4
         or layer_cache.shape[1] != 1
-        or tuple(layer_cache.shape[2:]) != expected
+        or tuple(layer_cache.shape[2:]) != inner
     ):
         raise ValueError(
-            f"{layer_name}: vLLM allocated the K/V cache as dtype {layer_cache.dtype}, shape "
-            f"{tuple(layer_cache.shape)}; QSA needs float16 (P, 1, {KV_PAGE}, "
-            f"{PACKED_TOKEN_STRIDE}) (one KV head of dim 256, K then V per token)"
+            f"{layer_name}: vLLM allocated the {what} as dtype {layer_cache.dtype}, shape "
+            f"{tuple(layer_cache.shape)}; QSA needs float16 (P, 1, {inner[0]}, {inner[1]}){why}"
         )
+
+
+def kv_views(layer_cache: torch.Tensor, layer_name: str = "QSA layer") -> KVViews:
+    """The operators' views of vLLM's K/V layer cache ``[P, 1, 512, 512]`` (ValueError when
+    vLLM allocated anything else, e.g. under a block-outermost layout)."""
+    _check_layer_cache(
+        layer_cache, layer_name, "K/V cache", (KV_PAGE, PACKED_TOKEN_STRIDE),
+        " (one KV head of dim 256, K then V per token)",
+    )  # fmt: skip
     packed = layer_cache[:, 0]
     if tuple(packed.stride()) != PACKED_KV_STRIDES:
         raise ValueError(
@@ -76,18 +84,7 @@ def kv_views(layer_cache: torch.Tensor, layer_name: str = "QSA layer") -> KVView
 def ck_view(layer_cache: torch.Tensor, layer_name: str = "QSA layer") -> torch.Tensor:
     """The selection's ``[P', 128, 1, 128]`` view of vLLM's compressed-key layer cache
     ``[P', 1, 128, 128]`` (ValueError for anything else)."""
-    expected = (CK_PAGE, INDEX_DIM)
-    if (
-        layer_cache.dtype != CACHE_DTYPE
-        or layer_cache.dim() != 4
-        or layer_cache.shape[1] != 1
-        or tuple(layer_cache.shape[2:]) != expected
-    ):
-        raise ValueError(
-            f"{layer_name}: vLLM allocated the compressed-key cache as dtype "
-            f"{layer_cache.dtype}, shape {tuple(layer_cache.shape)}; QSA needs float16 "
-            f"(P, 1, {CK_PAGE}, {INDEX_DIM})"
-        )
+    _check_layer_cache(layer_cache, layer_name, "compressed-key cache", (CK_PAGE, INDEX_DIM))
     view = layer_cache.transpose(1, 2)
     if not view.is_contiguous():
         raise ValueError(
