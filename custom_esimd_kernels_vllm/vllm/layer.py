@@ -100,6 +100,8 @@ class QSAAttention(nn.Module, AttentionLayerBase):
         self.compressed_keys = QSACompressedKeyCache(f"{prefix}.compressed_key_cache")
         self.index_wk: torch.Tensor | None = None  # float32 [128, 256], set after loading
         self.selected: torch.Tensor | None = None  # [max_tokens, 2051] int32, model-wide
+        # the page-table width of every step (vLLM's blocks per request at 512 tokens a block)
+        self.max_pages = -(-get_current_vllm_config().model_config.max_model_len // KV_PAGE)
         _register(self, prefix)
 
     # --- AttentionLayerBase -------------------------------------------------------------
@@ -225,6 +227,8 @@ def qsa_attention(
     ck_name = layer.compressed_keys.layer_name
     md, ck_md = _layer_metadata(layer_name), _layer_metadata(ck_name)
     if md is None or ck_md is None:  # memory profiling / dummy run: no cache traffic
+        # the op layer's workspaces, at the largest step, while vLLM measures the peak
+        paging.reserve_workspaces(q, index_q, positions, layer.selected, out, layer.max_pages)
         out.zero_()
         return
 

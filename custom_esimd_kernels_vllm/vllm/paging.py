@@ -20,13 +20,16 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import qsa_ops
 from ..qsa_ops import reference
 from ..qsa_ops.contract import (
     CK_PAGE,
+    COMPRESS_RATIO,
     INDEX_DIM,
     KV_PAGE,
     PACKED_KV_STRIDES,
     PACKED_TOKEN_STRIDE,
+    TOKEN_TOPK,
 )
 from ..qsa_ops.contract import (
     kv_views as _kv_views,
@@ -106,3 +109,31 @@ def compress_keys(keys: torch.Tensor, index_wk: torch.Tensor) -> torch.Tensor:
     """Compressed keys of whole blocks: keys [N, 4, 256] float16, index_wk [128, 256] ->
     [N, 128] float16, the operator contract's rule (``reference.compress_block_keys``)."""
     return reference.compress_block_keys(keys, index_wk)
+
+
+def reserve_workspaces(
+    q: torch.Tensor,  # [T, 3, 256] float16: the profiling run's queries
+    index_q: torch.Tensor,  # [T, 4, 128] float16
+    positions: torch.Tensor,  # [T] int64
+    selected: torch.Tensor,  # [>= T, 2051] int32: the model's selection buffer
+    out: torch.Tensor,  # [T, 3, 256] float16
+    max_pages: int,  # the page-table width of every step: ceil(max_model_len / 512)
+) -> None:
+    """Run selection and attention once at the largest shapes a step can have, on caches of one
+    empty page, so that the op layer's per-stream workspaces are allocated during vLLM's
+    profiling run, which sizes the KV cache from the peak memory it sees. CUDA tensors only
+    (the PyTorch reference keeps no workspace); ``out`` is written with zeros (no valid row)."""
+    if not q.is_cuda:
+        return
+    rows, device = q.shape[0], q.device
+    table = torch.full((1, max_pages), -1, dtype=torch.int32, device=device)
+    to_req = torch.zeros(rows, dtype=torch.int32, device=device)
+    lengths = torch.zeros(1, dtype=torch.int32, device=device)
+    ck = torch.zeros(1, CK_PAGE, 1, INDEX_DIM, dtype=CACHE_DTYPE, device=device)
+    kv = torch.zeros(1, KV_PAGE, PACKED_TOKEN_STRIDE, dtype=CACHE_DTYPE, device=device)
+    k_cache, v_cache = _kv_views(kv)
+    indices = selected[:rows]
+    qsa_ops.select_paged_tokens(
+        index_q, ck, table, to_req, positions, lengths, TOKEN_TOPK, COMPRESS_RATIO, indices
+    )
+    qsa_ops.sparse_paged_attention(q, k_cache, v_cache, indices, table, to_req, KV_PAGE, out)
