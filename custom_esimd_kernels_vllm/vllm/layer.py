@@ -100,8 +100,10 @@ class QSAAttention(nn.Module, AttentionLayerBase):
         self.compressed_keys = QSACompressedKeyCache(f"{prefix}.compressed_key_cache")
         self.index_wk: torch.Tensor | None = None  # float32 [128, 256], set after loading
         self.selected: torch.Tensor | None = None  # [max_tokens, 2051] int32, model-wide
-        # the page-table width of every step (vLLM's blocks per request at 512 tokens a block)
-        self.max_pages = -(-get_current_vllm_config().model_config.max_model_len // KV_PAGE)
+        # the page-table width of every step (vLLM's blocks per request at 512 tokens a block);
+        # 0 when no model config is current (then the profiling run reserves nothing)
+        model_config = get_current_vllm_config().model_config
+        self.max_pages = -(-model_config.max_model_len // KV_PAGE) if model_config else 0
         _register(self, prefix)
 
     # --- AttentionLayerBase -------------------------------------------------------------
@@ -228,7 +230,8 @@ def qsa_attention(
     md, ck_md = _layer_metadata(layer_name), _layer_metadata(ck_name)
     if md is None or ck_md is None:  # memory profiling / dummy run: no cache traffic
         # the op layer's workspaces, at the largest step, while vLLM measures the peak
-        paging.reserve_workspaces(q, index_q, positions, layer.selected, out, layer.max_pages)
+        if layer.max_pages and layer.selected is not None:
+            paging.reserve_workspaces(q, index_q, positions, layer.selected, out, layer.max_pages)
         out.zero_()
         return
 
