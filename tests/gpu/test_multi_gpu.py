@@ -8,10 +8,8 @@ Skipped, saying so, where fewer than two CUDA devices are visible.
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -139,14 +137,15 @@ def test_two_threads_two_devices(cuda_backend):
 
 
 def test_tp2_nccl(tmp_path):
-    """tests/gpu/tp2_check.py under torchrun on 2 GPUs (NCCL): the sharded block equals the
-    one-device run within the contract's tolerance; its record names commit and DSO SHA256."""
+    """tests/gpu/tp2_check.py on 2 GPUs (NCCL): the sharded block equals the one-device run
+    within the contract's tolerance; its record names commit and DSO SHA256."""
+    spec = importlib.util.spec_from_file_location(
+        "tp2_check", ROOT / "tests" / "gpu" / "tp2_check.py"
+    )
+    tp2 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp2)
     record = tmp_path / "tp2.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "NCCL_NVLS_ENABLE": "0",
-           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests" / "gpu" / "tp2_check.py"), "--device", "cuda", "--json", str(record)]  # fmt: skip
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for res in tp2.spawn("cuda", record, timeout=120):
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     result = json.loads(record.read_text())
     assert result["passed"], result

@@ -1,6 +1,9 @@
-"""TP=2 check of one QSA attention block (run under torchrun; NCCL on GPUs, gloo on CPUs).
+"""TP=2 check of one QSA attention block (NCCL on GPUs, gloo on CPUs).
 
     torchrun --standalone --nproc-per-node 2 tests/gpu/tp2_check.py --device cuda --json OUT
+
+or ``spawn(...)`` below (what the tests use): two processes on 127.0.0.1 with the rendezvous in
+the environment, which needs no host name resolution (offline containers have none).
 
 The block of a 2-rank model: 6 query heads, 2 KV heads, 8 indexer heads (head dims 256 / 128),
 sharded by heads so that each rank is exactly the per-rank contract (3 query heads, 1 KV head,
@@ -18,6 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -95,6 +102,42 @@ def shard_partial(w: dict[str, torch.Tensor], rank: int, device: torch.device) -
     qsa_ops.sparse_paged_attention(q, k_cache, v_cache, selected, page_table, token_to_req,
                                    contract.KV_PAGE, out)  # fmt: skip
     return out.float().view(ROWS, Q_DIM) @ w["wo"][:, heads].to(device).T
+
+
+def spawn(device: str, record: Path, timeout: float = 180) -> list[subprocess.CompletedProcess]:
+    """Run this check as WORLD processes on this host (loopback rendezvous); their results."""
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(WORLD),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "NCCL_SOCKET_IFNAME": "lo",
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--device", device, "--json", str(record)]
+    procs = [
+        subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(WORLD)
+    ]  # fmt: skip
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
 
 
 def main() -> int:
