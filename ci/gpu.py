@@ -171,7 +171,8 @@ def kernels(env: Env) -> None:
             checks[name] = f"failed: {exc}"
     try:
         out = env.run("python", "-c", GPU_INFO, env=pyenv, cwd=scratch, silent=True)
-        info = json.loads(out.splitlines()[-1])
+        # paths relative to the checkout: the record names no machine's directories
+        info = json.loads(out.splitlines()[-1].replace(f"{ROOT}/", ""))
     except Failed as exc:  # still write the record: the checks above are the evidence
         info = {"gpu_info_error": str(exc)}
         checks["gpu_info"] = f"failed: {exc}"
