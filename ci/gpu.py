@@ -63,7 +63,7 @@ def sanitizer(env: Env, pyenv: dict[str, str], cwd: Path, tool: str) -> None:
             "--racecheck-report",
             "all",
             "--kernel-name",
-            "kns=select_rows_kernel",
+            "kns=select_kernel",
             SANITIZER_CORPUS,
             "select",
         ),

@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <initializer_list>
 #include <map>
 #include <mutex>
@@ -504,6 +505,9 @@ void check_capability(int device) {
                              std::to_string(minor));
 }
 
+// The zeroed int32 counters of one (device, stream): the attention's, then the selection's.
+int64_t counter_slots() { return qsa::attention_counter_slots() + qsa::select_counter_slots(); }
+
 // Scratch bytes and zeroed int32 counters of one (device, stream), from torch's caching
 // allocator. NOTES: a buffer is never freed once handed out (a CUDA graph captured earlier may
 // point at it: growth keeps the old one in `retired`), and none is created or grown inside
@@ -523,8 +527,7 @@ struct WorkspaceView {
   std::optional<Tensor> keep_counters;
 };
 
-WorkspaceView workspace(const Tensor& like, int device, cudaStream_t stream, size_t bytes,
-                        int64_t counter_slots) {
+WorkspaceView workspace(const Tensor& like, int device, cudaStream_t stream, size_t bytes) {
   // Leaked on purpose: tensors must not be destroyed after torch shuts down at exit.
   static auto* mu = new std::mutex;
   static auto* all = new std::map<std::pair<int, cudaStream_t>, Workspace>;
@@ -552,17 +555,15 @@ WorkspaceView workspace(const Tensor& like, int device, cudaStream_t stream, siz
     view.scratch = t.mutable_data_ptr();
     view.scratch_bytes = t.numel();
   }
-  if (counter_slots > 0) {
-    if (!ws.counters) {
-      if (capturing()) {  // the zero fill is captured too: every replay starts from zeros
-        view.keep_counters = torch::stable::new_zeros(like, {counter_slots}, ScalarType::Int);
-      } else {
-        ws.counters = torch::stable::new_zeros(like, {counter_slots}, ScalarType::Int);
-      }
+  if (!ws.counters) {
+    if (capturing()) {  // the zero fill is captured too: every replay starts from zeros
+      view.keep_counters = torch::stable::new_zeros(like, {counter_slots()}, ScalarType::Int);
+    } else {
+      ws.counters = torch::stable::new_zeros(like, {counter_slots()}, ScalarType::Int);
     }
-    const Tensor& c = view.keep_counters ? *view.keep_counters : *ws.counters;
-    view.counters = static_cast<int32_t*>(c.mutable_data_ptr());
   }
+  const Tensor& c = view.keep_counters ? *view.keep_counters : *ws.counters;
+  view.counters = static_cast<int32_t*>(c.mutable_data_ptr());
   return view;
 }
 
@@ -577,6 +578,16 @@ int requested_splits() {
     throw std::runtime_error(std::string("QSA_ATTN_SPLITS must be a non-negative integer, got '") +
                              v + "'");
   return static_cast<int>(n);
+}
+
+// QSA_SELECT_PATH: "generic" makes every selection row take the generic path (mass-tie rows
+// take it anyway); unset, empty or "auto" = the kernel decides. Tests run both paths with it.
+bool select_generic_path() {
+  const char* v = std::getenv("QSA_SELECT_PATH");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return false;
+  if (std::strcmp(v, "generic") == 0) return true;
+  throw std::runtime_error(std::string("QSA_SELECT_PATH must be 'auto' or 'generic', got '") + v +
+                           "'");
 }
 
 constexpr int64_t kInt32Max = 2147483647;
@@ -600,7 +611,7 @@ void select_paged_tokens(Tensor q, Tensor ck, Tensor page_table, Tensor token_to
   const DeviceGuard guard(device, "select_paged_tokens: selecting the device");
   const cudaStream_t stream = current_stream(device);
   const WorkspaceView ws =
-      workspace(q, device, stream, qsa::select_workspace_bytes(rows, width), 0);
+      workspace(q, device, stream, qsa::select_workspace_bytes(rows, width));
   const qsa::SelectParams p{q.const_data_ptr(),
                             ck.const_data_ptr(),
                             static_cast<const int32_t*>(page_table.const_data_ptr()),
@@ -615,7 +626,9 @@ void select_paged_tokens(Tensor q, Tensor ck, Tensor page_table, Tensor token_to
                             width,
                             QSA_WIDTH,
                             ws.scratch,
-                            ws.scratch_bytes};
+                            ws.scratch_bytes,
+                            ws.counters + qsa::attention_counter_slots(),
+                            select_generic_path()};
   check_cuda(qsa::select_paged_tokens(p, stream), "select_paged_tokens");
 }
 
@@ -636,8 +649,7 @@ void sparse_paged_attention(Tensor q, Tensor kv, Tensor logical_indices, Tensor 
   const cudaStream_t stream = current_stream(device);
   const int splits = requested_splits();
   const WorkspaceView ws =
-      workspace(q, device, stream, qsa::attention_workspace_bytes(rows, splits, device),
-                qsa::attention_counter_slots());
+      workspace(q, device, stream, qsa::attention_workspace_bytes(rows, splits, device));
   const qsa::AttentionParams p{q.const_data_ptr(),
                                kv.const_data_ptr(),
                                static_cast<const int32_t*>(logical_indices.const_data_ptr()),

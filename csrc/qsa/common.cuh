@@ -79,6 +79,17 @@ __device__ __forceinline__ uint4 load8_pred(const __half* p, bool pred) {
   }
 }
 
+// Last-CTA patterns: a barrier, then this by one thread (release of the CTA's writes, acquire
+// of the earlier arrivals').
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int32_t* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n"
+               : "=r"(old)
+               : "l"(p), "r"(v)
+               : "memory");
+  return old;
+}
+
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 }  // namespace detail

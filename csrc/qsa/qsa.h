@@ -35,12 +35,17 @@ struct SelectParams {
   int64_t out_stride;             // elements between out rows (2051 when contiguous)
   void* workspace;                // >= select_workspace_bytes(rows, table_width) bytes
   size_t workspace_bytes;
+  int32_t* counters;              // >= select_counter_slots() int32, zero on first use;
+                                  // every call leaves them zero again
+  bool generic_path;              // every row through the generic select (tests)
 };
 
 // Bytes of scratch the selection needs: one uint32 score key per candidate block of a group
 // of rows (rows are processed in groups so that the scratch stays bounded).
 size_t select_workspace_bytes(int64_t rows, int64_t table_width);
-// Number of kernel launches one call makes (2 per row group; 0 when rows == 0).
+// Row-arrival counters of the fused kernel (one per row of a group).
+int64_t select_counter_slots();
+// Number of kernel launches one call makes (1 per row group; 0 when rows == 0).
 int64_t select_launch_count(int64_t rows, int64_t table_width);
 cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream);
 

@@ -1,21 +1,24 @@
 // Fused paged token selection (contract section 1): block scores, exact top-512, expansion.
 //
-// Two launches per group of rows:
-//   1. score_blocks_kernel  grid (chunks, rows): one half-warp per compressed key computes the
-//      4-head ReLU score in float32 and stores it as an order-preserving uint32 key.
-//   2. select_rows_kernel   grid (rows): one CTA per row (1024 threads; 512 when there are
-//      more rows than SMs) finds the exact 512-th
-//      largest key by radix select, gathers the winners in block order (ties broken by the
-//      lower block index), sorts them by (score desc, block asc) and writes the row.
+// One launch per group of rows, grid (CTAs per row, rows), 512 threads, one CTA per SM:
+//   * every CTA scores pages of its row, two at a time (two groups of 8 warps; tensor-core
+//     mma: 16 keys x 4 heads per warp and m16n8k16 step, float32 accumulation) and stores each
+//     block's score as an order-preserving uint32 key in the workspace;
+//   * the CTA that arrives last at its row's counter selects the row: a 12-bit histogram of
+//     the keys gives the bin of the 512-th largest; every key at or above that bin goes to a
+//     shared buffer at its bin's offset (bins descending), and each key's place inside its bin
+//     is its rank by (key desc, block asc), counted against its bin mates; the place is the
+//     output column. Rows whose bins hold too many equal keys (mass ties) take the generic
+//     path: an exact 3-pass radix select, an ordered gather and a bitonic sort.
 //
 // NOTES: scores are >= 0 after ReLU, so the IEEE bit pattern of a float score orders like the
 // score itself. key = bits + 1 for a usable block and 0 for an unusable one, so one unsigned
 // compare ranks everything and unusable blocks can never win. -0.0 is canonicalised to +0.0
-// (x > 0 ? x : 0) so that it ties with +0.0 exactly as in the reference.
+// (x > 0 ? x : 0) so that it ties with +0.0 exactly as in the reference. Keys are < 2^31
+// (the largest is +inf's bits + 1): the 12-bit first digit is key >> 19.
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 
 #include "common.cuh"
@@ -27,8 +30,9 @@ namespace qsa {
 // was built.
 namespace select_impl {
 
-using detail::half8_to_float;
+using detail::atomic_add_acq_rel_gpu;
 using detail::load8;
+using detail::load8_pred;
 
 constexpr int kIndexHeads = QSA_INDEX_HEADS;    // 4
 constexpr int kIndexDim = QSA_INDEX_DIM;        // 128
@@ -36,9 +40,9 @@ constexpr int kCkPage = QSA_CK_PAGE;            // 128 compressed keys per page
 constexpr int kRatio = QSA_COMPRESS_RATIO;      // 4 tokens per block
 constexpr int kBlockTopk = QSA_BLOCK_TOPK;      // 512
 constexpr int kWidth = QSA_WIDTH;               // 2051
-static_assert(kIndexHeads == 4, "score reduction is written for 4 index heads");
-static_assert(kIndexDim == 16 * 8, "a half-warp of 16 lanes x 8 halves covers one key");
-static_assert(kBlockTopk == 512, "the bitonic sort is sized for 512 winners");
+static_assert(kIndexHeads == 4, "the mma's 8 columns hold the 4 index heads (4 are zero)");
+static_assert(kIndexDim == 128, "a lane's 4 x 16-byte loads cover one key in 4 lanes");
+static_assert(kBlockTopk == 512, "the generic path's bitonic sort is sized for 512 winners");
 static_assert(kWidth == kBlockTopk * kRatio + QSA_TAIL, "row width");
 
 // NOTES: 1/sqrt(128) rounded once to float32, as the reference multiplies a float32 tensor by
@@ -46,185 +50,70 @@ static_assert(kWidth == kBlockTopk * kRatio + QSA_TAIL, "row width");
 // that equal scores are equal bit for bit with the reference.
 constexpr float kScoreScale = static_cast<float>(0.088388347648318440550105545263);
 
-constexpr int kScoreThreads = 256;                    // 16 half-warps
-// NOTES: one page (128 blocks, 8 keys per half-warp, 32 KiB) per CTA iteration: v4's 64-block
-// chunks kept 16 KiB in flight per CTA behind a 3-4 load dependent chain (2.2 TB/s at R=64).
-constexpr int kScoreChunk = 128;                      // blocks per CTA iteration (8 per half-warp)
-constexpr int kKeysPerHalfWarp = kScoreChunk / (kScoreThreads / 16);
-static_assert(kCkPage % kScoreChunk == 0, "a chunk never straddles a page");
+constexpr int kThreads = 512;                  // 16 warps
+constexpr int kWarps = kThreads / 32;
+constexpr int kGroupThreads = 256;             // a page group: 8 warps x 16 blocks = one page
+constexpr int kGroups = kThreads / kGroupThreads;
+constexpr int kScoreChunk = 16 * (kGroupThreads / 32);  // blocks per group iteration
+static_assert(kScoreChunk == kCkPage, "a group iteration scores exactly one page");
 
-constexpr int kSelectWarpsMax = 32;
-constexpr int64_t kPdlMaxRows = 2;   // row-select launched as a programmatic dependent  // select_rows_kernel runs 512 or 1024 threads
-constexpr int kRadixBins = 2048;
-constexpr int kRadixUnroll = 4;                       // keys per thread per histogram step                      // 11-bit digits: passes of 11, 11, 10 bits
-// NOTES: keys of one row live in shared memory when they fit (up to 48K blocks = 196K tokens,
-// 192 KiB); longer rows are read from the L2-resident workspace through the same generic
-// pointer. 192 KiB + 12 KiB of fixed arrays stays under the 227 KiB opt-in limit.
-constexpr int kSmemKeysCap = 48 * 1024;
+constexpr int kDigitShift = 19;                // first digit: key bits 30..19
+constexpr int kDigitBins = 4096;
+constexpr int kBinsPerThread = kDigitBins / kThreads;
+constexpr int kBufCap = 1024;                  // keys at or above the threshold bin (fast path)
+constexpr int kRankWorkCap = 1 << 18;          // sum over those bins of count^2 (fast path)
+constexpr int kRadixBins = 2048;               // generic path: 11-bit digits (11, 11, 10)
+constexpr int kRadixUnroll = 4;
+constexpr int kStreamUnroll = 8;               // 16-byte key loads in flight per thread
+
 // NOTES: rows are processed in groups so the score workspace stays <= 64 MiB (one 131072-token
-// row needs 128 KiB; 512 such rows fit). A group never exceeds gridDim.y's limit.
+// row needs 128 KiB; 512 such rows fit). A group never has more rows than counters.
 constexpr size_t kWorkspaceCap = size_t(64) << 20;
-constexpr int64_t kMaxGroupRows = 65535;
+constexpr int64_t kCounterSlots = 8192;        // one arrival counter per row of a group
 
-struct RowInfo {
-  bool valid;       // token_to_req in [0, B)
-  int64_t b;
-  int64_t n;        // visible tokens
-  int64_t nb;       // visible blocks
-  int64_t nbv;      // visible blocks inside the page table (candidates)
+struct FastShared {
+  uint32_t start[kDigitBins];      // histogram, then each bin's first buffer slot
+  uint32_t cursor[kDigitBins];     // each bin's next free slot, then its end
+  unsigned long long buf[kBufCap];
 };
-
-__device__ __forceinline__ RowInfo row_info(const SelectParams& p, int64_t r, int64_t ncap) {
-  RowInfo ri;
-  const int64_t b = p.token_to_req[r];
-  ri.valid = b >= 0 && b < p.requests;
-  ri.b = b;
-  ri.n = ri.nb = ri.nbv = 0;
-  if (ri.valid) {
-    const int64_t pos1 = p.query_positions[r] + 1;
-    const int64_t len = p.sequence_lengths[b];
-    int64_t n = pos1 < len ? pos1 : len;
-    n = n > 0 ? n : 0;
-    ri.n = n;
-    ri.nb = n / kRatio;
-    ri.nbv = ri.nb < ncap ? ri.nb : ncap;
-  }
-  return ri;
-}
-
-// Scores of kScoreChunk consecutive blocks per CTA iteration; keys[rl * ncap + j].
-template <bool kVec16>
-__global__ void __launch_bounds__(kScoreThreads)
-    score_blocks_kernel(SelectParams p, int64_t row0, int64_t ncap, uint32_t* __restrict__ keys) {
-  const int64_t rl = blockIdx.y;
-  const int64_t r = row0 + rl;
-  const int hw = threadIdx.x >> 4;   // half-warp: 0..15
-  const int lane = threadIdx.x & 15; // dims [8 lane, 8 lane + 8)
-  const int64_t first = int64_t(blockIdx.x) * kScoreChunk;  // < ncap = M * 128
-
-  // NOTES: dependent chain cut from 4 loads to 3 before the keys: token_to_req, the query
-  // position and q go out together; the sequence length and the first chunk's page-table
-  // entry then go out together (the entry is read whether or not the chunk is visible).
-  // (asm volatile loads: the compiler otherwise sinks them below the early returns.)
-  const int64_t b = detail::ldg32_pred(p.token_to_req + r, true, -1);
-  const int64_t pos1 = detail::ldg64(p.query_positions + r) + 1;
-  const __half* q = static_cast<const __half*>(p.q) + r * (kIndexHeads * kIndexDim);
-  uint4 qraw[kIndexHeads];
-#pragma unroll
-  for (int h = 0; h < kIndexHeads; ++h) {
-    qraw[h] = detail::load8_pred<kVec16>(q + h * kIndexDim + lane * 8, true);
-  }
-  const bool b_ok = b >= 0 && b < p.requests;
-  const int32_t* table = p.page_table + (b_ok ? b : 0) * p.page_table_stride;
-  const int64_t len = detail::ldg32_pred(p.sequence_lengths + (b_ok ? b : 0), b_ok, 0);
-  // (first < ncap: the table has this page; with M = 0 there is no entry to read)
-  int64_t phys = detail::ldg32_pred(table + first / kCkPage, b_ok && first < ncap, -1);
-  if (!b_ok) return;
-  RowInfo ri;
-  ri.valid = true;
-  ri.b = b;
-  ri.n = pos1 < len ? pos1 : len;
-  ri.n = ri.n > 0 ? ri.n : 0;
-  ri.nb = ri.n / kRatio;
-  ri.nbv = ri.nb < ncap ? ri.nb : ncap;
-  if (first >= ri.nbv) return;
-
-  // q[r, h, 8 lane .. 8 lane + 7] for the 4 heads, in float32.
-  float qf[kIndexHeads][8];
-#pragma unroll
-  for (int h = 0; h < kIndexHeads; ++h) half8_to_float(qraw[h], qf[h]);
-  const __half* ck = static_cast<const __half*>(p.compressed_keys);
-  const uint32_t zero = static_cast<uint32_t>(ncap >> 62);  // ncap < 2^62
-  uint32_t* row_keys = keys + rl * ncap;
-  const int64_t stride = int64_t(gridDim.x) * kScoreChunk;
-
-  for (int64_t j0 = first; j0 < ri.nbv; j0 += stride) {
-    // The next chunk's page-table entry goes out with this chunk's keys.
-    const bool more = j0 + stride < ri.nbv;
-    const int64_t next = detail::ldg32_pred(table + (more ? (j0 + stride) / kCkPage : 0), more, -1);
-    const bool usable = phys >= 0 && phys < p.pages;
-    if (!usable) {
-      // Never read: an unusable block gets key 0 and can never be chosen.
-      for (int i = threadIdx.x; i < kScoreChunk; i += kScoreThreads) {
-        if (j0 + i < ri.nbv) row_keys[j0 + i] = 0u;
-      }
-      phys = next;
-      continue;
-    }
-    // Half-warp hw takes blocks j0 + k*16 + hw: a warp reads 512 contiguous bytes per load.
-    // NOTES: unpredicated loads of a clamped block (j0 < nbv, same page): the 8 loads go out
-    // together. v4 zero-filled past the end with predicated loads, and ptxas sank each of
-    // them to its first use (one round trip per key). A clamped key's score is not stored.
-    uint4 raw[kKeysPerHalfWarp];
-#pragma unroll
-    for (int k = 0; k < kKeysPerHalfWarp; ++k) {
-      const int64_t j = min(j0 + k * 16 + hw, ri.nbv - 1);
-      const int64_t slot = phys * kCkPage + (j % kCkPage);
-      raw[k] = load8<kVec16>(ck + slot * kIndexDim + lane * 8);
-    }
-    // NOTES: ptxas still sank loads 1..3 below key 0's arithmetic (one round trip per key):
-    // key 0 is made to depend on all of them (`zero` is 0 at run time, unknown to the
-    // compiler), so all loads are in flight before the first FMA.
-    uint32_t later = 0;
-#pragma unroll
-    for (int k = 1; k < kKeysPerHalfWarp; ++k) later |= raw[k].x;
-    raw[0].x |= later & zero;
-#pragma unroll
-    for (int k = 0; k < kKeysPerHalfWarp; ++k) {
-      float kf[8];
-      half8_to_float(raw[k], kf);
-      float v[kIndexHeads];
-#pragma unroll
-      for (int h = 0; h < kIndexHeads; ++h) {
-        float acc = 0.f;
-#pragma unroll
-        for (int d = 0; d < 8; ++d) acc = fmaf(qf[h][d], kf[d], acc);
-        v[h] = acc;
-      }
-      // Transposed butterfly: 4 head sums over 16 lanes in 5 shuffles; afterwards lane bits
-      // 3..2 name the head whose full dot product this lane holds.
-      const bool hi8 = lane & 8;
-      float a0 = hi8 ? v[2] : v[0];
-      float a1 = hi8 ? v[3] : v[1];
-      const float s0 = hi8 ? v[0] : v[2];
-      const float s1 = hi8 ? v[1] : v[3];
-      a0 += __shfl_xor_sync(0xffffffffu, s0, 8);
-      a1 += __shfl_xor_sync(0xffffffffu, s1, 8);
-      const bool hi4 = lane & 4;
-      float c = hi4 ? a1 : a0;
-      const float s = hi4 ? a0 : a1;
-      c += __shfl_xor_sync(0xffffffffu, s, 4);
-      c += __shfl_xor_sync(0xffffffffu, c, 2);
-      c += __shfl_xor_sync(0xffffffffu, c, 1);
-      c = c > 0.f ? c : 0.f;  // ReLU; also maps -0.0 to +0.0
-      c += __shfl_xor_sync(0xffffffffu, c, 4);
-      c += __shfl_xor_sync(0xffffffffu, c, 8);
-      const int64_t j = j0 + k * 16 + hw;
-      if (lane == 0 && j < ri.nbv) row_keys[j] = __float_as_uint(c * kScoreScale) + 1u;
-    }
-    phys = next;
-  }
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // after the last store
-}
-
-struct SelectShared {
+struct GenericShared {
   uint32_t hist[kRadixBins];
   unsigned long long winners[kBlockTopk];
-  int warp_gt[kSelectWarpsMax];
-  int warp_eq[kSelectWarpsMax];
-  int warp_eq_base[kSelectWarpsMax];
-  int warp_out_base[kSelectWarpsMax];
-  int scan[kSelectWarpsMax];
+};
+struct SelectShared {
+  union {
+    FastShared f;
+    GenericShared g;
+  } u;
+  int warp_gt[kWarps];
+  int warp_eq[kWarps];
+  int warp_eq_base[kWarps];
+  int warp_out_base[kWarps];
+  int scan[32];
   uint32_t digit;
   int above;
   int digit_count;
   int chosen;
+  int usable;
+  int fill;
+  unsigned long long work;
+  int is_last;
 };
 
-// Inclusive block scan of one int per thread (kT threads, at most 1024).
-template <int kT>
+__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                          uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Inclusive block scan of one int per thread (kThreads threads).
 __device__ __forceinline__ int block_inclusive_scan(int x, int* warp_sums) {
-  constexpr int kW = kT / 32;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
@@ -234,13 +123,13 @@ __device__ __forceinline__ int block_inclusive_scan(int x, int* warp_sums) {
   if (lane == 31) warp_sums[warp] = x;
   __syncthreads();
   if (warp == 0) {
-    int w = lane < kW ? warp_sums[lane] : 0;
+    int w = lane < kWarps ? warp_sums[lane] : 0;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const int y = __shfl_up_sync(0xffffffffu, w, o);
       if (lane >= o) w += y;
     }
-    if (lane < kW) warp_sums[lane] = w;
+    if (lane < kWarps) warp_sums[lane] = w;
   }
   __syncthreads();
   const int res = x + (warp > 0 ? warp_sums[warp - 1] : 0);
@@ -248,46 +137,63 @@ __device__ __forceinline__ int block_inclusive_scan(int x, int* warp_sums) {
   return res;
 }
 
-// kT threads per CTA: 1024 while the rows fit on the SMs in one wave, 512 for larger batches
-// (several rows per SM; the phases of one row are latency-bound).
-template <int kT>
-__global__ void __launch_bounds__(kT, 1024 / kT)
-    select_rows_kernel(SelectParams p, int64_t row0, int64_t ncap, const uint32_t* __restrict__ keys) {
-  constexpr int kSelectThreads = kT;
-  constexpr int kSelectWarps = kT / 32;
-  constexpr int kBinsPer = kRadixBins / kT;
-  extern __shared__ uint4 dyn_smem[];
-  __shared__ SelectShared sh;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t r = row0 + blockIdx.x;
-  int32_t* out = p.out + r * p.out_stride;
-  const RowInfo ri = row_info(p, r, ncap);
-  // NOTES: small batches launch this kernel as a programmatic dependent of the score kernel
-  // (PDL): the launch and row_info's 3 dependent loads (inputs the score kernel does not
-  // write) overlap the score kernel; nothing is written and no key is read before the wait.
-  // Without the launch attribute the wait returns at once.
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  if (!ri.valid) {
-    for (int c = tid; c < kWidth; c += kSelectThreads) out[c] = -1;
+// A tile of a row's keys: thread t holds blocks base + (u * kThreads + t) * 4 + (0..3), u < 8
+// (keys written by other CTAs of this launch: read through L2). Missing blocks read as 0.
+constexpr int kTile = kThreads * 4 * kStreamUnroll;  // 16384 blocks
+
+__device__ __forceinline__ void load_tile(const uint32_t* keys, int nbv, int base,
+                                          uint4 (&v)[kStreamUnroll]) {
+  const uint4* k4 = reinterpret_cast<const uint4*>(keys);  // rows start 16-byte aligned
+#pragma unroll
+  for (int u = 0; u < kStreamUnroll; ++u) {
+    const int j = base + (u * kThreads + threadIdx.x) * 4;
+    if (j + 3 < nbv) {
+      v[u] = __ldcg(k4 + j / 4);
+    } else {
+      v[u] = make_uint4(0, 0, 0, 0);
+      if (j < nbv) v[u].x = __ldcg(keys + j);
+      if (j + 1 < nbv) v[u].y = __ldcg(keys + j + 1);
+      if (j + 2 < nbv) v[u].z = __ldcg(keys + j + 2);
+    }
+  }
+}
+
+// f(j, key) for the tile's usable blocks (key != 0).
+template <typename F>
+__device__ __forceinline__ void visit_tile(const uint4 (&v)[kStreamUnroll], int base, F&& f) {
+#pragma unroll
+  for (int u = 0; u < kStreamUnroll; ++u) {
+    const int j = base + (u * kThreads + threadIdx.x) * 4;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t key = word(v[u], e);
+      if (key != 0) f(j + e, key);
+    }
+  }
+}
+
+// f(j, key) for every usable block of a row: from the registers of a resident tile (rows of
+// at most kTile blocks, loaded once), else streamed through L2 tile by tile.
+template <typename F>
+__device__ __forceinline__ void for_each_key(const uint32_t* keys, int nbv, bool resident,
+                                             const uint4 (&tile)[kStreamUnroll], F&& f) {
+  if (resident) {
+    visit_tile(tile, 0, f);
     return;
   }
-  const int nbv = static_cast<int>(ri.nbv);  // <= M*128 candidate blocks
-  const uint32_t* row_keys = keys + int64_t(blockIdx.x) * ncap;
-
-  // Stage the keys in shared memory when they fit; otherwise read them from L2.
-  const uint32_t* K = row_keys;
-  if (nbv <= kSmemKeysCap) {
-    uint32_t* sk = reinterpret_cast<uint32_t*>(dyn_smem);
-    const int n4 = nbv / 4;  // rows start 16-byte aligned: ncap is a multiple of 128
-    const uint4* src4 = reinterpret_cast<const uint4*>(row_keys);
-#pragma unroll 4
-    for (int i = tid; i < n4; i += kSelectThreads) reinterpret_cast<uint4*>(sk)[i] = src4[i];
-    for (int i = n4 * 4 + tid; i < nbv; i += kSelectThreads) sk[i] = row_keys[i];
-    K = sk;
+  for (int base = 0; base < nbv; base += kTile) {
+    uint4 v[kStreamUnroll];
+    load_tile(keys, nbv, base, v);
+    visit_tile(v, base, f);
   }
-  __syncthreads();
+}
 
-  // ---- Radix select: the exact kBlockTopk-th largest key (prefix under mask) ----------------
+// Generic path: exact radix select (3 passes of 11/11/10 bits), winners gathered in block
+// order, bitonic sort (score desc, block asc). Returns kb; sh.u.g.winners[0, kb) sorted.
+__device__ int select_generic(const uint32_t* K, int nbv, SelectShared& sh) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  uint32_t* hist = sh.u.g.hist;
+  unsigned long long* winners = sh.u.g.winners;
   uint32_t prefix = 0, mask = 0xffffffffu;
   int k_rem = 0;  // with nbv <= 512 every usable block wins: chosen = key > 0
   if (nbv > kBlockTopk) {
@@ -298,51 +204,46 @@ __global__ void __launch_bounds__(kT, 1024 / kT)
     for (int pass = 0; pass < 3; ++pass) {
       const int shift = shifts[pass];
       const uint32_t nbins = 1u << bits[pass];
-      for (int i = tid; i < kRadixBins; i += kSelectThreads) sh.hist[i] = 0;
+      for (int i = tid; i < kRadixBins; i += kThreads) hist[i] = 0;
       __syncthreads();
-      // NOTES: 4 keys per thread per step, as independent chains (load, vote, atomic): one key
-      // per step left each warp waiting ~150 cycles per key (v2: 25 us for 32K keys).
-      for (int base = 0; base < nbv; base += kRadixUnroll * kSelectThreads) {
+      for (int base = 0; base < nbv; base += kRadixUnroll * kThreads) {
         uint32_t d[kRadixUnroll];
 #pragma unroll
         for (int u = 0; u < kRadixUnroll; ++u) {
-          const int j = base + u * kSelectThreads + tid;
+          const int j = base + u * kThreads + tid;
           d[u] = 0xffffffffu;  // sentinel: no bin
           if (j < nbv) {
-            const uint32_t key = K[j];
+            const uint32_t key = __ldcg(K + j);
             if ((key & mask) == prefix) d[u] = (key >> shift) & (nbins - 1);
           }
         }
-        // NOTES: ReLU makes many keys equal (0.0 -> key 1): when the whole warp holds one
-        // digit, one lane adds for all (a 32-way shared-atomic conflict otherwise). Mixed
-        // warps add lane by lane; __match_any_sync would aggregate those too, but it costs
-        // more than the conflicts it saves on distinct scores.
+        // NOTES: when the whole warp holds one digit (mass ties), one lane adds for all.
 #pragma unroll
         for (int u = 0; u < kRadixUnroll; ++u) {
           const uint32_t d0 = __shfl_sync(0xffffffffu, d[u], 0);
           if (__all_sync(0xffffffffu, d[u] == d0)) {
-            if (lane == 0 && d0 != 0xffffffffu) atomicAdd(&sh.hist[d0], 32u);
+            if (lane == 0 && d0 != 0xffffffffu) atomicAdd(&hist[d0], 32u);
           } else if (d[u] != 0xffffffffu) {
-            atomicAdd(&sh.hist[d[u]], 1u);
+            atomicAdd(&hist[d[u]], 1u);
           }
         }
       }
       __syncthreads();
-      // Scan the bins from the top: thread t owns bins nbins-1-kBinsPer*t-j, j < kBinsPer.
-      int cnt[kBinsPer];
+      constexpr int kPer = kRadixBins / kThreads;
+      int cnt[kPer];
       int sum = 0;
 #pragma unroll
-      for (int j = 0; j < kBinsPer; ++j) {
-        const int bj = int(nbins) - 1 - kBinsPer * tid - j;
-        cnt[j] = bj >= 0 ? int(sh.hist[bj]) : 0;
+      for (int j = 0; j < kPer; ++j) {
+        const int bj = int(nbins) - 1 - kPer * tid - j;
+        cnt[j] = bj >= 0 ? int(hist[bj]) : 0;
         sum += cnt[j];
       }
-      const int incl = block_inclusive_scan<kT>(sum, sh.scan);
+      const int incl = block_inclusive_scan(sum, sh.scan);
       int run = incl - sum;
 #pragma unroll
-      for (int j = 0; j < kBinsPer; ++j) {
+      for (int j = 0; j < kPer; ++j) {
         if (run < k_rem && k_rem <= run + cnt[j]) {
-          sh.digit = int(nbins) - 1 - kBinsPer * tid - j;
+          sh.digit = int(nbins) - 1 - kPer * tid - j;
           sh.above = run;
           sh.digit_count = cnt[j];
         }
@@ -358,17 +259,14 @@ __global__ void __launch_bounds__(kT, 1024 / kT)
     }
   }
 
-  // ---- Gather winners in block order: warp w owns a contiguous segment -------------------
-  // chosen = usable && (masked key above the threshold, or on it with tie rank < k_rem).
-  const int seg = ((nbv + kSelectWarps * 32 - 1) / (kSelectWarps * 32)) * 32;
+  // Gather winners in block order: warp w owns a contiguous segment.
+  const int seg = ((nbv + kWarps * 32 - 1) / (kWarps * 32)) * 32;
   const int seg_lo = warp * seg;
   const int seg_hi = min(seg_lo + seg, nbv);
   int gt = 0, eq = 0;
-#pragma unroll 4
   for (int j0 = seg_lo; j0 < seg_hi; j0 += 32) {
     const int j = j0 + lane;
-    uint32_t key = 0;
-    if (j < seg_hi) key = K[j];
+    const uint32_t key = j < seg_hi ? __ldcg(K + j) : 0u;
     const uint32_t mk = key & mask;
     gt += __popc(__ballot_sync(0xffffffffu, key != 0 && mk > prefix));
     eq += __popc(__ballot_sync(0xffffffffu, key != 0 && mk == prefix));
@@ -379,7 +277,7 @@ __global__ void __launch_bounds__(kT, 1024 / kT)
   }
   __syncthreads();
   if (warp == 0) {
-    int e = lane < kSelectWarps ? sh.warp_eq[lane] : 0;
+    const int e = lane < kWarps ? sh.warp_eq[lane] : 0;
     int e_incl = e;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -388,14 +286,14 @@ __global__ void __launch_bounds__(kT, 1024 / kT)
     }
     const int e_base = e_incl - e;
     const int take_eq = max(0, min(k_rem - e_base, e));
-    const int c = (lane < kSelectWarps ? sh.warp_gt[lane] : 0) + take_eq;
+    const int c = (lane < kWarps ? sh.warp_gt[lane] : 0) + take_eq;
     int c_incl = c;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const int y = __shfl_up_sync(0xffffffffu, c_incl, o);
       if (lane >= o) c_incl += y;
     }
-    if (lane < kSelectWarps) {
+    if (lane < kWarps) {
       sh.warp_eq_base[lane] = e_base;
       sh.warp_out_base[lane] = c_incl - c;
     }
@@ -407,11 +305,9 @@ __global__ void __launch_bounds__(kT, 1024 / kT)
     int eq_seen = sh.warp_eq_base[warp];
     int pos = sh.warp_out_base[warp];
     const unsigned lt = (1u << lane) - 1u;
-#pragma unroll 4
     for (int j0 = seg_lo; j0 < seg_hi; j0 += 32) {
       const int j = j0 + lane;
-      uint32_t key = 0;
-      if (j < seg_hi) key = K[j];
+      const uint32_t key = j < seg_hi ? __ldcg(K + j) : 0u;
       const uint32_t mk = key & mask;
       const bool is_gt = key != 0 && mk > prefix;
       const bool is_eq = key != 0 && mk == prefix;
@@ -420,22 +316,20 @@ __global__ void __launch_bounds__(kT, 1024 / kT)
       const unsigned ch_bits = __ballot_sync(0xffffffffu, chosen);
       if (chosen) {
         // Descending order of (key, ~j) = score descending, lower block first on ties.
-        sh.winners[pos + __popc(ch_bits & lt)] =
+        winners[pos + __popc(ch_bits & lt)] =
             (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - static_cast<uint32_t>(j));
       }
       eq_seen += __popc(eq_bits);
       pos += __popc(ch_bits);
     }
   }
-  for (int i = kb + tid; i < kBlockTopk; i += kSelectThreads) sh.winners[i] = 0ull;
+  for (int i = kb + tid; i < kBlockTopk; i += kThreads) winners[i] = 0ull;
   __syncthreads();
 
-  // ---- Bitonic sort of the 512 winners, descending ---------------------------------------
-  // NOTES: 256 threads each own one pair per stage; for strides <= 32 a warp's pairs stay
-  // inside its own 64 elements, so those stages need only __syncwarp (6 block barriers
-  // instead of 45).
+  // Bitonic sort of the 512 winners, descending. NOTES: 256 threads own one pair per stage;
+  // for strides <= 32 a warp's pairs stay inside its own 64 elements (__syncwarp only).
   if (kb > 1) {
-    bool cross_warp_before = true;  // the gather above wrote across warps
+    bool cross_warp_before = true;
     for (int size = 2; size <= kBlockTopk; size <<= 1) {
       for (int stride = size >> 1; stride > 0; stride >>= 1) {
         const bool cross_warp = stride > 32;
@@ -448,32 +342,239 @@ __global__ void __launch_bounds__(kT, 1024 / kT)
         if (tid < kBlockTopk / 2) {
           const int i = 2 * tid - (tid & (stride - 1));  // lower index of the pair
           const int k = i + stride;
-          const unsigned long long a = sh.winners[i], b = sh.winners[k];
+          const unsigned long long a = winners[i], b = winners[k];
           const bool descending = (i & size) == 0;
           if ((a < b) == descending) {
-            sh.winners[i] = b;
-            sh.winners[k] = a;
+            winners[i] = b;
+            winners[k] = a;
           }
         }
       }
     }
   }
   __syncthreads();
+  return kb;
+}
 
-  // ---- Expansion, tail, padding -----------------------------------------------------------
-  const int expanded = kb * kRatio;
-  const int tail = static_cast<int>(ri.n - ri.nb * kRatio);
-  const int64_t tail_first = ri.nb * kRatio;
-  for (int c = tid; c < kWidth; c += kSelectThreads) {
-    int32_t v = -1;
-    if (c < expanded) {
-      const uint32_t j = 0xffffffffu - static_cast<uint32_t>(sh.winners[c / kRatio]);
-      v = static_cast<int32_t>(int64_t(j) * kRatio + (c % kRatio));
-    } else if (c < expanded + tail) {
-      v = static_cast<int32_t>(tail_first + (c - expanded));
-    }
-    out[c] = v;
+template <bool kVec16>
+__global__ void __launch_bounds__(kThreads, 1)
+    select_kernel(SelectParams p, int64_t row0, int64_t ncap, uint32_t* __restrict__ keys,
+                  int32_t* __restrict__ counters) {
+  __shared__ SelectShared sh;
+  const int64_t rl = blockIdx.y;
+  const int64_t r = row0 + rl;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates
+  const int grp = tid / kGroupThreads, gtid = tid % kGroupThreads, gwarp = gtid >> 5;
+  const int64_t first = (int64_t(blockIdx.x) * kGroups + grp) * kScoreChunk;
+
+  // NOTES: the dependent chain before the keys is 3 loads: token_to_req, the query position
+  // and q go out together; the sequence length and the first page-table entry then go out
+  // together (asm volatile loads: the compiler otherwise sinks them below the branches).
+  const int64_t b = detail::ldg32_pred(p.token_to_req + r, true, -1);
+  const int64_t pos1 = detail::ldg64(p.query_positions + r) + 1;
+  // B fragments: lane (g, t) holds head g's dims 8 (4 s + t) .. + 8 for s < 4 (zero for the
+  // padding heads g >= 4). The mma's k order is a permutation of the dims, the same for q
+  // and the keys, so the dot products are unchanged.
+  const __half* q = static_cast<const __half*>(p.q) + r * (kIndexHeads * kIndexDim);
+  uint4 qv[4];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    qv[s] = load8_pred<kVec16>(q + (g < kIndexHeads ? g : 0) * kIndexDim + 8 * (4 * s + t),
+                               g < kIndexHeads);
   }
+  const bool b_ok = b >= 0 && b < p.requests;
+  const int32_t* table = p.page_table + (b_ok ? b : 0) * p.page_table_stride;
+  const int64_t len = detail::ldg32_pred(p.sequence_lengths + (b_ok ? b : 0), b_ok, 0);
+  // (first < ncap: the table has this page; with M = 0 there is no entry to read)
+  int64_t phys = detail::ldg32_pred(table + first / kCkPage, b_ok && first < ncap, -1);
+  int64_t n = pos1 < len ? pos1 : len;
+  n = n > 0 ? n : 0;
+  const int64_t nb = n / kRatio;
+  const int64_t nbv = b_ok ? (nb < ncap ? nb : ncap) : 0;  // candidate blocks
+  uint32_t* row_keys = keys + rl * ncap;
+
+  // ---- Scores: each page group scores one page per iteration, 16 blocks per warp ---------
+  const __half* ck = static_cast<const __half*>(p.compressed_keys);
+  const uint32_t zero = static_cast<uint32_t>(ncap >> 62);  // ncap < 2^62
+  const int64_t stride = int64_t(gridDim.x) * kGroups * kScoreChunk;
+  for (int64_t j0 = first; j0 < nbv; j0 += stride) {
+    // The next chunk's page-table entry goes out with this chunk's keys.
+    const bool more = j0 + stride < nbv;
+    const int64_t next = detail::ldg32_pred(table + (more ? (j0 + stride) / kCkPage : 0), more, -1);
+    const bool usable = phys >= 0 && phys < p.pages;
+    if (!usable) {
+      // Never read: an unusable block gets key 0 and can never be chosen.
+      for (int i = gtid; i < kScoreChunk; i += kGroupThreads) {
+        if (j0 + i < nbv) row_keys[j0 + i] = 0u;
+      }
+      phys = next;
+      continue;
+    }
+    // Warp w of the group scores blocks j0 + 16 w + (0..15); lane (g, t) loads rows g and g + 8 (A
+    // fragments), dims 8 (4 s + t) .. + 8. NOTES: unpredicated loads of a clamped block
+    // (same page); a clamped block's score is not stored.
+    const int64_t jw = j0 + 16 * gwarp;
+    const int64_t ja = min(jw + g, nbv - 1), jb = min(jw + g + 8, nbv - 1);
+    const __half* pa = ck + (phys * kCkPage + (ja % kCkPage)) * kIndexDim + 8 * t;
+    const __half* pb = ck + (phys * kCkPage + (jb % kCkPage)) * kIndexDim + 8 * t;
+    uint4 ra[4], rb[4];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      ra[s] = load8<kVec16>(pa + 32 * s);
+      rb[s] = load8<kVec16>(pb + 32 * s);
+    }
+    // NOTES: the first mma is made to depend on every load (`zero` is 0 at run time, unknown
+    // to the compiler), so that ptxas issues all 8 loads before the first mma.
+    uint32_t later = rb[0].x;
+#pragma unroll
+    for (int s = 1; s < 4; ++s) later |= ra[s].x | rb[s].x;
+    ra[0].x |= later & zero;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        mma_16816(acc, word(ra[s], 2 * u), word(rb[s], 2 * u), word(ra[s], 2 * u + 1),
+                  word(rb[s], 2 * u + 1), word(qv[s], 2 * u), word(qv[s], 2 * u + 1));
+      }
+    }
+    // acc: (block g, heads 2t, 2t+1), (block g + 8, heads 2t, 2t+1); heads >= 4 are zero.
+    // ReLU also maps -0.0 to +0.0.
+    float lo = (acc[0] > 0.f ? acc[0] : 0.f) + (acc[1] > 0.f ? acc[1] : 0.f);
+    float hi = (acc[2] > 0.f ? acc[2] : 0.f) + (acc[3] > 0.f ? acc[3] : 0.f);
+    lo += __shfl_xor_sync(0xffffffffu, lo, 1);
+    hi += __shfl_xor_sync(0xffffffffu, hi, 1);
+    if (t == 0) {
+      if (jw + g < nbv) row_keys[jw + g] = __float_as_uint(lo * kScoreScale) + 1u;
+      if (jw + g + 8 < nbv) row_keys[jw + g + 8] = __float_as_uint(hi * kScoreScale) + 1u;
+    }
+    phys = next;
+  }
+
+  // ---- Arrival: the row's last CTA selects ----------------------------------------------
+  __syncthreads();
+  if (tid == 0) sh.is_last = atomic_add_acq_rel_gpu(counters + rl, 1) == int(gridDim.x) - 1;
+  __syncthreads();
+  if (!sh.is_last) return;
+  int32_t* out = p.out + r * p.out_stride;
+  if (!b_ok) {
+    for (int c = tid; c < kWidth; c += kThreads) out[c] = -1;
+    if (tid == 0) counters[rl] = 0;  // ready for the next call (and graph replay)
+    return;
+  }
+  const int nv = static_cast<int>(nbv);  // <= M * 128 <= INT32_MAX (checked by the op)
+  const uint32_t* K = row_keys;
+  uint32_t* start = sh.u.f.start;
+  uint32_t* cursor = sh.u.f.cursor;
+  // Histogram of the first digit over usable keys. The keys of rows of at most kTile blocks
+  // stay in registers for the second pass.
+  for (int i = tid; i < kDigitBins; i += kThreads) start[i] = 0;
+  if (tid == 0) {
+    sh.fill = 0;
+    sh.work = 0;
+  }
+  const bool resident = nv <= kTile;
+  uint4 tile[kStreamUnroll];
+  if (resident) load_tile(K, nv, 0, tile);
+  __syncthreads();
+  // NOTES: plain shared atomics (fire and forget): a warp vote per key to aggregate mass
+  // ties cost ~40 cycles of dependent latency per key on the row's critical path.
+  for_each_key(K, nv, resident, tile, [&](int, uint32_t key) {
+    atomicAdd(&start[key >> kDigitShift], 1u);
+  });
+  __syncthreads();
+  // Thread t owns bins 4095 - 8 t - i (i < 8), scanned from the top.
+  int cnt[kBinsPerThread];
+  int sum = 0;
+#pragma unroll
+  for (int i = 0; i < kBinsPerThread; ++i) {
+    cnt[i] = int(start[kDigitBins - 1 - kBinsPerThread * tid - i]);
+    sum += cnt[i];
+  }
+  const int incl = block_inclusive_scan(sum, sh.scan);
+  if (tid == kThreads - 1) sh.usable = incl;
+  int run = incl - sum;
+#pragma unroll
+  for (int i = 0; i < kBinsPerThread; ++i) {
+    if (run < kBlockTopk && kBlockTopk <= run + cnt[i]) {
+      sh.digit = kDigitBins - 1 - kBinsPerThread * tid - i;
+      sh.above = run;
+      sh.digit_count = cnt[i];
+    }
+    run += cnt[i];
+  }
+  __syncthreads();
+  const int usable = sh.usable;
+  const int kb = min(kBlockTopk, usable);
+  const bool all_win = usable <= kBlockTopk;
+  const uint32_t d1 = all_win ? 0u : sh.digit;  // the bin of the 512-th largest key
+  const int total = all_win ? usable : sh.above + sh.digit_count;  // keys with digit >= d1
+  {
+    // Each bin's first slot (bins descending), and the rank work: sum of count^2.
+    unsigned long long w = 0;
+    run = incl - sum;
+#pragma unroll
+    for (int i = 0; i < kBinsPerThread; ++i) {
+      const uint32_t bin = kDigitBins - 1 - kBinsPerThread * tid - i;
+      if (bin >= d1) {
+        start[bin] = run;
+        cursor[bin] = run;
+        w += static_cast<unsigned long long>(cnt[i]) * static_cast<unsigned long long>(cnt[i]);
+      }
+      run += cnt[i];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) w += __shfl_xor_sync(0xffffffffu, w, o);
+    if (lane == 0 && w) atomicAdd(&sh.work, w);
+  }
+  __syncthreads();
+
+  if (!p.generic_path && total <= kBufCap && sh.work <= kRankWorkCap) {
+    // Fast path: every key at or above the threshold bin, grouped by bin.
+    unsigned long long* buf = sh.u.f.buf;
+    for_each_key(K, nv, resident, tile, [&](int j, uint32_t key) {
+      if ((key >> kDigitShift) >= d1) {
+        const uint32_t slot = atomicAdd(&cursor[key >> kDigitShift], 1u);
+        // (key, ~j) descending = score descending, lower block first on ties.
+        buf[slot] = (static_cast<unsigned long long>(key) << 32) |
+                    (0xffffffffu - static_cast<uint32_t>(j));
+      }
+    });
+    __syncthreads();
+    // A key's place = its bin's first slot + the bin mates above it; places < kb are output.
+    for (int s = tid; s < total; s += kThreads) {
+      const unsigned long long e = buf[s];
+      const uint32_t bin = static_cast<uint32_t>(e >> 32) >> kDigitShift;
+      const int lo = static_cast<int>(start[bin]), hi = static_cast<int>(cursor[bin]);
+      int above_e = 0;
+#pragma unroll 4
+      for (int x = lo; x < hi; ++x) above_e += buf[x] > e ? 1 : 0;
+      const int place = lo + above_e;
+      if (place < kb) {
+        const int64_t j = 0xffffffffu - static_cast<uint32_t>(e);
+#pragma unroll
+        for (int i = 0; i < kRatio; ++i) out[place * kRatio + i] = static_cast<int32_t>(j * kRatio + i);
+      }
+    }
+  } else {
+    // Generic path (more than kBufCap keys in or above the threshold bin: mass ties).
+    const int kbg = select_generic(K, nv, sh);  // == kb
+    const unsigned long long* winners = sh.u.g.winners;
+    for (int c = tid; c < kbg * kRatio; c += kThreads) {
+      const uint32_t j = 0xffffffffu - static_cast<uint32_t>(winners[c / kRatio]);
+      out[c] = static_cast<int32_t>(int64_t(j) * kRatio + (c % kRatio));
+    }
+  }
+
+  // Tail tokens, then -1 padding.
+  const int expanded = kb * kRatio;
+  const int tail = static_cast<int>(n - nb * kRatio);
+  const int64_t tail_first = nb * kRatio;
+  for (int c = expanded + tid; c < kWidth; c += kThreads) {
+    out[c] = c < expanded + tail ? static_cast<int32_t>(tail_first + (c - expanded)) : -1;
+  }
+  if (tid == 0) counters[rl] = 0;  // ready for the next call (and graph replay)
 }
 
 int64_t candidate_blocks(int64_t table_width) { return table_width * kCkPage; }
@@ -482,7 +583,7 @@ int64_t group_rows(int64_t rows, int64_t table_width) {
   const int64_t per_row = std::max<int64_t>(candidate_blocks(table_width), 1) * 4;
   int64_t g = static_cast<int64_t>(kWorkspaceCap / static_cast<size_t>(per_row));
   g = std::max<int64_t>(g, 1);
-  g = std::min<int64_t>(g, kMaxGroupRows);
+  g = std::min<int64_t>(g, kCounterSlots);
   return std::min<int64_t>(g, std::max<int64_t>(rows, 1));
 }
 
@@ -491,25 +592,6 @@ int sm_count() {
   if (cudaGetDevice(&dev) != cudaSuccess) return 132;
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 132;
   return sms > 0 ? sms : 132;
-}
-
-// Raise select_rows_kernel's dynamic shared-memory limit once per device (a function
-// attribute, not a stream operation: allowed during graph capture).
-cudaError_t raise_smem_limit() {
-  static std::atomic<uint64_t> done{0};
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  const uint64_t bit = dev < 64 ? (uint64_t(1) << dev) : 0;
-  if (bit && (done.load(std::memory_order_relaxed) & bit)) return cudaSuccess;
-  err = cudaFuncSetAttribute(select_rows_kernel<1024>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(kSmemKeysCap * sizeof(uint32_t)));
-  if (err == cudaSuccess) {
-    err = cudaFuncSetAttribute(select_rows_kernel<512>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(kSmemKeysCap * sizeof(uint32_t)));
-  }
-  if (err == cudaSuccess && bit) done.fetch_or(bit, std::memory_order_relaxed);
-  return err;
 }
 
 }  // namespace select_impl
@@ -522,70 +604,39 @@ size_t select_workspace_bytes(int64_t rows, int64_t table_width) {
          static_cast<size_t>(candidate_blocks(table_width)) * sizeof(uint32_t);
 }
 
+int64_t select_counter_slots() { return kCounterSlots; }
+
 int64_t select_launch_count(int64_t rows, int64_t table_width) {
   if (rows <= 0) return 0;
   const int64_t g = group_rows(rows, table_width);
-  return 2 * ((rows + g - 1) / g);
+  return (rows + g - 1) / g;
 }
 
 cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
   if (p.rows <= 0) return cudaSuccess;
   const int64_t ncap = candidate_blocks(p.table_width);
-  const size_t smem_keys =
-      static_cast<size_t>(std::min<int64_t>(ncap, kSmemKeysCap)) * sizeof(uint32_t);
-  cudaError_t err = raise_smem_limit();
-  if (err != cudaSuccess) return err;
-  if (p.workspace_bytes < select_workspace_bytes(p.rows, p.table_width)) {
+  if (p.workspace_bytes < select_workspace_bytes(p.rows, p.table_width) || p.counters == nullptr) {
     return cudaErrorInvalidValue;
   }
   uint32_t* keys = static_cast<uint32_t*>(p.workspace);
   const bool vec16 = detail::aligned16(p.q) && detail::aligned16(p.compressed_keys);
   const int64_t g = group_rows(p.rows, p.table_width);
   const int64_t chunks = std::max<int64_t>(1, (ncap + kScoreChunk - 1) / kScoreChunk);
+  const int64_t ctas = (chunks + kGroups - 1) / kGroups;  // CTAs that cover a row in one pass
   for (int64_t row0 = 0; row0 < p.rows; row0 += g) {
     const int64_t n = std::min<int64_t>(g, p.rows - row0);
-    // NOTES: up to 128 CTAs per row (one page each up to 64K tokens: v1 looped 14 chunks per
-    // CTA at R=64 and reached 1.9 TB/s, each chunk waiting on its page-table load) and at
-    // least 4 CTAs per SM in total; CTAs loop over the remaining pages (the next page-table
-    // entry loads with the current keys), so the grid does not grow with the page-table width
-    // (M = 8192 would launch 8K CTAs per row).
-    const int64_t per_row =
-        std::max<int64_t>(128, (4 * int64_t(sm_count()) + n - 1) / n);
-    const dim3 score_grid(static_cast<unsigned>(std::min(chunks, per_row)),
-                          static_cast<unsigned>(n));
+    // NOTES: one wave: the grid is at most one CTA per SM (short CTAs in many
+    // waves each paid the 3-load chain before their keys: v6's R = 64 ran 10 waves), at least
+    // one CTA per row; CTAs loop over the remaining pages (the next page-table entries load
+    // with the current keys).
+    const int64_t per_row = std::max<int64_t>(1, int64_t(sm_count()) / n);
+    const dim3 grid(static_cast<unsigned>(std::min(ctas, per_row)), static_cast<unsigned>(n));
     if (vec16) {
-      score_blocks_kernel<true><<<score_grid, kScoreThreads, 0, stream>>>(p, row0, ncap, keys);
+      select_kernel<true><<<grid, kThreads, 0, stream>>>(p, row0, ncap, keys, p.counters);
     } else {
-      score_blocks_kernel<false><<<score_grid, kScoreThreads, 0, stream>>>(p, row0, ncap, keys);
+      select_kernel<false><<<grid, kThreads, 0, stream>>>(p, row0, ncap, keys, p.counters);
     }
-    err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-    // NOTES: more rows than SMs: 512-thread CTAs, 2 per SM, all rows of a 256-row batch
-    // resident at once (1024-thread CTAs ran in 2 waves there). PDL only for <= 2 rows: v5
-    // launched every batch that way and lost 3-5 us at R = 8..64, the early select CTAs
-    // sitting on SMs the score kernel still needed.
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(n));
-    cfg.dynamicSmemBytes = smem_keys;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    if (n <= kPdlMaxRows) {
-      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[0].val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-    }
-    if (n > sm_count()) {
-      cfg.blockDim = dim3(512);
-      err = cudaLaunchKernelEx(&cfg, select_rows_kernel<512>, p, row0, ncap,
-                               static_cast<const uint32_t*>(keys));
-    } else {
-      cfg.blockDim = dim3(1024);
-      err = cudaLaunchKernelEx(&cfg, select_rows_kernel<1024>, p, row0, ncap,
-                               static_cast<const uint32_t*>(keys));
-    }
-    if (err != cudaSuccess) return err;
-    err = cudaGetLastError();
+    const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;

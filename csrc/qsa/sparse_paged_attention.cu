@@ -28,6 +28,7 @@ namespace qsa {
 namespace attention_impl {
 
 namespace cg = cooperative_groups;
+using detail::atomic_add_acq_rel_gpu;
 using detail::half8_to_float;
 using detail::ldg32_pred;
 using detail::load8_pred;
@@ -98,14 +99,6 @@ __device__ __forceinline__ void cluster_arrive_release() {
 }
 __device__ __forceinline__ void cluster_wait_acquire() {
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ int atomic_add_acq_rel_gpu(int32_t* p, int v) {
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n"
-               : "=r"(old)
-               : "l"(p), "r"(v)
-               : "memory");
-  return old;
 }
 
 // grid (R, splits), clusters of `csize` CTAs along y (csize = 1 when splits == 1).

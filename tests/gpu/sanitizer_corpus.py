@@ -38,9 +38,13 @@ def select_corpus():
     for seed in range(4):
         yield testing.random_select_case(9, 3, 7, 11, device=DEVICE, seed=10 + seed, integer=True)
     yield testing.make_select_case("p8192_saturated", 2, DEVICE, seed=6)
-    # more rows than SMs: the 512-thread row-select kernel
+    # more rows than SMs
     yield testing.random_select_case(
         140, 3, 7, 11, device=DEVICE, seed=20, integer=True, name="R=140"
+    )
+    # long rows of real-valued scores (the fast path's bins and ranks at 2..64 pages)
+    yield testing.random_select_case(
+        4, 2, 64, 96, device=DEVICE, seed=21, integer=True, bad_values=False, name="long rows"
     )
 
 
@@ -91,13 +95,19 @@ def run_update() -> int:
 
 
 def run_select() -> int:
+    """Every case through both selection paths (QSA_SELECT_PATH: the kernel's choice, then
+    the generic path for every row)."""
     n = 0
     for case in select_corpus():
-        qsa_ops.select_paged_tokens(*case.args())
         want = case.new_out()
         reference.select_paged_tokens_ref(*case.ref_args()[:-1], want)
-        assert torch.equal(case.out, want), f"{case!r}: differs from the reference"
-        n += 1
+        for path in ("auto", "generic"):
+            os.environ["QSA_SELECT_PATH"] = path
+            case.out.fill_(testing.POISON_INT32)
+            qsa_ops.select_paged_tokens(*case.args())
+            assert torch.equal(case.out, want), f"{case!r} ({path} path): differs from the reference"
+            n += 1
+    os.environ.pop("QSA_SELECT_PATH")
     return n
 
 

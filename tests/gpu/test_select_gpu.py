@@ -47,9 +47,17 @@ def check_rows(case: testing.SelectCase, out: torch.Tensor, exact: bool, limit: 
     )
 
 
+@pytest.fixture(params=["auto", "generic"])
+def select_path(request, monkeypatch):
+    """Both selection paths: the kernel's own choice (the fast bin-rank path unless a row has
+    mass ties) and the generic radix path for every row (QSA_SELECT_PATH=generic)."""
+    monkeypatch.setenv("QSA_SELECT_PATH", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("R", [1, 2])
 @pytest.mark.parametrize("name", testing.SELECT_CASES)
-def test_seed_case_exact(cuda_backend, name, R):
+def test_seed_case_exact(cuda_backend, select_path, name, R):
     case = testing.make_select_case(name, R, DEVICE, seed=R)
     out = run_cuda(case)
     testing.check_selection(case, out, exact=True)
@@ -67,7 +75,7 @@ def test_seed_case_random_data(cuda_backend, name, R):
 
 
 @pytest.mark.parametrize("R", [1, 64, 256])
-def test_p8192_saturated_many_rows(cuda_backend, R):
+def test_p8192_saturated_many_rows(cuda_backend, select_path, R):
     case = testing.make_select_case("p8192_saturated", R, DEVICE, seed=3)
     out = run_cuda(case)
     assert_equal_reference(case, out)
@@ -94,20 +102,20 @@ def _one_request(R, context, positions, *, seed, pages=None, sparse=False, name)
 
 
 @pytest.mark.parametrize("R", [1, 3])
-def test_context_131072(cuda_backend, R):
+def test_context_131072(cuda_backend, select_path, R):
     case = _one_request(R, 131072, [131071 - 1000 * r for r in range(R)], seed=7, name="ctx128k")
     out = run_cuda(case)
     assert_equal_reference(case, out)
     check_rows(case, out, exact=True, limit=1)
 
 
-def test_context_131072_mass_ties(cuda_backend):
+def test_context_131072_mass_ties(cuda_backend, select_path):
     case = _one_request(2, 131072, [131071, 100000], seed=8, sparse=True, name="ctx128k_ties")
     out = run_cuda(case)
     assert_equal_reference(case, out)
 
 
-def test_duplicate_pages_long_context(cuda_backend):
+def test_duplicate_pages_long_context(cuda_backend, select_path):
     """64 logical pages mapped onto 5 physical ones: every score appears many times."""
     pages = [p % 5 for p in range(64)]
     case = _one_request(
@@ -128,7 +136,7 @@ def test_prefill_chunk_2048_rows(cuda_backend):
 
 
 @pytest.mark.parametrize("R, B, M, P", [(256, 8, 16, 100), (129, 3, 40, 64), (256, 64, 64, 4096)])
-def test_many_rows_many_requests(cuda_backend, R, B, M, P):
+def test_many_rows_many_requests(cuda_backend, select_path, R, B, M, P):
     case = testing.random_select_case(R, B, M, P, device=DEVICE, seed=R + M, integer=True)
     out = run_cuda(case)
     assert_equal_reference(case, out)
@@ -142,7 +150,7 @@ def test_zero_rows(cuda_backend):
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_random_bad_values_exact(cuda_backend, seed):
+def test_random_bad_values_exact(cuda_backend, select_path, seed):
     """Random shapes with invalid request ids, page ids -1 / >= P, negative lengths and
     positions past the length: bit-exact with the reference."""
     gen = torch.Generator().manual_seed(seed)
@@ -159,6 +167,32 @@ def test_random_data_valid_topk(cuda_backend, seed):
     case = testing.random_select_case(16, 3, 12, 40, device=DEVICE, seed=100 + seed)
     out = run_cuda(case)
     testing.check_selection(case, out, exact=False)
+
+
+@pytest.mark.parametrize(
+    "R, B, M, P, seed", [(1, 1, 5, 8, 21), (1, 1, 256, 300, 22), (8, 2, 64, 160, 23), (64, 4, 16, 80, 24)]
+)
+def test_fast_path_equals_generic_on_random_data(cuda_backend, monkeypatch, R, B, M, P, seed):
+    """Both paths rank the same stored keys, so on random float data (where the fast path runs
+    and the order is non-trivial) they must agree bit for bit."""
+    case = testing.random_select_case(
+        R, B, M, P, device=DEVICE, seed=seed, integer=False, bad_values=False
+    )
+    monkeypatch.setenv("QSA_SELECT_PATH", "auto")
+    fast = run_cuda(case).clone()
+    case.out.fill_(testing.POISON_INT32)
+    monkeypatch.setenv("QSA_SELECT_PATH", "generic")
+    generic = run_cuda(case)
+    assert torch.equal(fast, generic), (fast != generic).nonzero()[:4].tolist()
+    check_rows(case, fast, exact=False, limit=4)
+
+
+def test_select_path_knob_refuses_unknown_values(cuda_backend, monkeypatch):
+    case = testing.make_select_case("full_page", 1, DEVICE)
+    monkeypatch.setenv("QSA_SELECT_PATH", "fastest")
+    with pytest.raises(RuntimeError, match="QSA_SELECT_PATH must be 'auto' or 'generic', got 'fastest'"):
+        qsa_ops.select_paged_tokens(*case.args())
+    assert (case.out == testing.POISON_INT32).all()
 
 
 def test_empty_page_table_and_no_requests(cuda_backend):
