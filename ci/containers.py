@@ -14,7 +14,6 @@ from ci.pipeline import (
     CUDA_TOOLKIT,
     DIST,
     IMAGES,
-    IN_PACKAGE_PROVENANCE,
     LOGS_DIR,
     PACKAGE,
     PROVENANCE_JSON,
@@ -31,6 +30,8 @@ from ci.pipeline import (
     provenance,
     rel,
     requirements_file,
+    sha256_file,
+    source_date_epoch,
 )
 
 
@@ -55,11 +56,19 @@ def build_image(env: Env, image: str, requirements: list[str], wheels=(), files=
 
 
 def run_in_image(
-    env: Env, image: str, command: str, mounts: dict[Path, str], workdir: str, log: Path
+    env: Env,
+    image: str,
+    command: str,
+    mounts: dict[Path, str],
+    workdir: str,
+    log: Path,
+    environ: dict[str, str] | None = None,
 ) -> None:
-    """Run ``command`` in a fresh, offline container of ``image``, its output in ``log``."""
+    """Run ``command`` in a fresh, offline container of ``image`` (with ``environ`` set), its
+    output in ``log``."""
     cmd = ["python", IMAGES, "run", image, "--workdir", workdir, "--log", log]
     cmd += [f"--mount={host}:{guest}" for host, guest in mounts.items()]
+    cmd += [f"--env={key}={value}" for key, value in (environ or {}).items()]
     try:
         env.run(*cmd, command)
     except Failed:
@@ -89,8 +98,10 @@ def image(env: Env) -> None:
 
 
 def build_in_container(env: Env, target: build_targets.Target) -> None:
-    """Build inside the target's image (``python3 -m ci.pipeline build`` there), then compare
-    the container's DSO with the native build's (made first when absent)."""
+    """Build the DSO and the wheel inside the target's image (``python3 -m ci.pipeline build``
+    and ``wheel`` there), then compare them with the native build's (made first when absent).
+    The comparison goes to dist/container/<target>/comparison.json and the step record, not
+    into the shipped manifest: the wheel must not depend on whether the comparison ran."""
     cuda = target.toolchain == "nvcc"
     image_id = build_image(
         env,
@@ -115,47 +126,62 @@ def build_in_container(env: Env, target: build_targets.Target) -> None:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     log = LOGS_DIR / f"build-container-{target.name}.log"
+    dso_name = Path(native["dso"]["path"]).name
     command = (
-        f"python3 -m ci.pipeline build --target {target.name}"
-        f" && cp dist/provenance.json {PACKAGE}/{Path(native['dso']['path']).name} /out/"
+        f"python3 -m ci.pipeline build --target {target.name} && python3 -m ci.pipeline wheel"
+        f" && cp dist/provenance.json dist/*.whl {PACKAGE}/{dso_name} /out/"
     )
+    # The export has no git metadata: the checkout's commit and dirty state (for the manifest)
+    # and the commit's time (for the wheel's zip entries) go in through the environment.
+    exported = {
+        provenance.GIT_STATE_ENV: json.dumps(provenance.git_state(ROOT)),
+        "SOURCE_DATE_EPOCH": source_date_epoch(),
+    }
     run_in_image(
-        env, target.container_image, command, {src: str(ROOT), out: "/out"}, str(ROOT), log
+        env,
+        target.container_image,
+        command,
+        {src: str(ROOT), out: "/out"},
+        str(ROOT),
+        log,
+        exported,
     )
-    inside_dso = out / Path(native["dso"]["path"]).name
+    inside_dso = out / dso_name
+    wheels = sorted(out.glob("*.whl"))
+    if len(wheels) != 1:
+        raise Failed(f"the container build left {len(wheels)} wheels in {rel(out)}, not one")
     inside = json.loads((out / "provenance.json").read_text())
-    inside["git"] = {**native["git"], "note": "exported from the host checkout"}
     inside["build"]["container"] = {"image": target.container_image, "image_id": image_id}
     (out / "provenance.json").write_text(json.dumps(inside, indent=2) + "\n")
-    env.artifact(out / "provenance.json")
-    env.artifact(inside_dso)
-    comparison = compare_builds(native, inside, inside_dso)
-    native["container"] = comparison
-    PROVENANCE_JSON.write_text(json.dumps(native, indent=2) + "\n")
-    IN_PACKAGE_PROVENANCE.write_text(PROVENANCE_JSON.read_text())
-    env.artifact(PROVENANCE_JSON)
+    comparison = compare_builds(native, inside, inside_dso, wheels[0])
+    (out / "comparison.json").write_text(json.dumps(comparison, indent=2) + "\n")
+    for path in (out / "provenance.json", inside_dso, wheels[0], out / "comparison.json"):
+        env.artifact(path)
     env.details.update(target=target.name, container=comparison)
     verdict = "IDENTICAL to" if comparison["identical"] else "DIFFERENT from"
     env.log(
         f"container DSO {comparison['sha256']} is {verdict} the native DSO {native['dso']['sha256']}"
     )
+    env.log(f"container wheel {wheels[0].name}  sha256 {comparison['wheel']['sha256']}")
     for diff in comparison["input_differences"]:
         env.log(f"  input difference: {diff}")
 
 
-def compare_builds(native: dict, inside: dict, inside_dso: Path) -> dict:
+def compare_builds(native: dict, inside: dict, inside_dso: Path, inside_wheel: Path) -> dict:
     """Native vs container DSO: equal SHA256 or not, and every input that differs between the
-    two manifests (toolchain versions, target flags, source digests)."""
+    two manifests (toolchain versions, target flags, source digests, git state)."""
     differences = []
-    for key in ("toolchain", "target", "sources"):
+    for key in ("toolchain", "target", "sources", "git"):
         a, b = native.get(key, {}), inside.get(key, {})
         differences += [
             f"{key}.{name}: native {a.get(name)!r} vs container {b.get(name)!r}"
             for name in diff_keys(a, b)
         ]
     return {
+        "sources_sha256": inside["sources_sha256"],
         "image_dso": rel(inside_dso),
         "sha256": inside["dso"]["sha256"],
         "identical": inside["dso"]["sha256"] == native["dso"]["sha256"],
+        "wheel": {"path": rel(inside_wheel), "sha256": sha256_file(inside_wheel)},
         "input_differences": differences,
     }

@@ -707,12 +707,17 @@ def portable_command(line: str) -> str:
 
 
 def source_date_epoch() -> str:
-    """SOURCE_DATE_EPOCH for reproducible archives: the commit's time (1980 without git)."""
+    """SOURCE_DATE_EPOCH for reproducible archives: the commit's time; outside git (an exported
+    tree) the exporter's ``SOURCE_DATE_EPOCH`` when set, else 1980."""
     try:
         out = subprocess.run(["git", "log", "-1", "--format=%ct"], cwd=ROOT, capture_output=True,
                              text=True, check=True).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
-        out = ""
+        out = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
+        if out and not out.isdigit():
+            raise Failed(
+                f"SOURCE_DATE_EPOCH must be a number of seconds since 1970, got {out!r}"
+            ) from None
     return out or "315532800"
 
 
@@ -823,6 +828,22 @@ def wheel(env: Env) -> None:
     env.log(f"{whl.name}  sha256 {whl_sha}")
     env.log(f"{dso.name}  sha256 {members[dso_member]}")
     env.details.update(wheel=whl.name, wheel_sha256=whl_sha, dso_sha256=members[dso_member])
+    compare_container_wheel(env, manifest, whl_sha)
+
+
+def compare_container_wheel(env: Env, manifest: dict[str, Any], whl_sha: str) -> None:
+    """Log and record whether the wheel equals the one `build --container` made inside the
+    target's image from the same sources (nothing when there is none)."""
+    path = DIST / "container" / manifest["target"]["name"] / "comparison.json"
+    if not path.is_file():
+        return
+    inside = json.loads(path.read_text())
+    if inside.get("sources_sha256") != manifest["sources_sha256"] or "wheel" not in inside:
+        return
+    same = inside["wheel"]["sha256"] == whl_sha
+    env.details["container_wheel"] = {**inside["wheel"], "identical": same}
+    verdict = "IDENTICAL to" if same else "DIFFERENT from"
+    env.log(f"this wheel is {verdict} the container's, sha256 {inside['wheel']['sha256']}")
 
 
 def verify(env: Env) -> None:

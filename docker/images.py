@@ -320,6 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--mount", action="append", default=[], help="HOST:GUEST (read-write)")
     r.add_argument("--workdir", required=True)
     r.add_argument("--log", type=Path, required=True)
+    r.add_argument("--env", action="append", default=[], help="KEY=VALUE, set in the container")
     r.add_argument("command")
     args = parser.parse_args(argv)
 
@@ -340,7 +341,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         client = connect(log)
         mounts = dict(m.rsplit(":", 1) for m in args.mount)
-        return run(client, args.image, args.command, mounts, args.workdir, args.log, log=log)
+        environ = dict(e.split("=", 1) for e in args.env)
+        return run(
+            client, args.image, args.command, mounts, args.workdir, args.log, environ, log=log
+        )
     except ImageError as exc:
         print(f"images: {exc}", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -186,8 +187,28 @@ def source_sha256(root: str | Path) -> str:
     return listing_sha256(source_digests(root))
 
 
+# An exported tree (the container build's copy of the working tree) has no git metadata: the
+# exporter hands the checkout's git_state() to the build through this variable (JSON).
+GIT_STATE_ENV = "QSA_GIT_STATE"
+
+
+def exported_git_state(value: str) -> dict[str, Any]:
+    """The git_state() given in ``QSA_GIT_STATE``; ValueError naming it when malformed."""
+    try:
+        state = json.loads(value)
+    except ValueError:
+        state = None
+    if not isinstance(state, dict) or not {"commit", "dirty"} <= set(state):
+        raise ValueError(
+            f"{GIT_STATE_ENV} must be a JSON object with 'commit' and 'dirty' (the exported "
+            f"checkout's git_state()), got {value[:200]!r}"
+        )
+    return state
+
+
 def git_state(root: Path) -> dict[str, Any]:
-    """Commit and dirty flag of the checkout at ``root`` (``commit: None`` outside git)."""
+    """Commit and dirty flag of the checkout at ``root``; outside git, the exporter's state from
+    ``QSA_GIT_STATE`` when set, else ``commit: None``."""
 
     def git(*args: str) -> str:
         return subprocess.run(
@@ -198,6 +219,8 @@ def git_state(root: Path) -> dict[str, Any]:
         commit = git("rev-parse", "HEAD").strip()
         changes = git("status", "--porcelain", "-z", "--untracked-files=normal")
     except (OSError, subprocess.CalledProcessError) as exc:
+        if os.environ.get(GIT_STATE_ENV):
+            return exported_git_state(os.environ[GIT_STATE_ENV])
         return {"commit": None, "dirty": None, "note": f"not a git checkout: {exc}"}
     dirty_paths = [entry[3:] for entry in changes.split("\0") if len(entry) > 3]
     return {"commit": commit, "dirty": bool(dirty_paths), "dirty_paths": dirty_paths}

@@ -370,3 +370,41 @@ def test_the_oneapi_image_fails_fast_when_intel_repo_is_unreachable(images, monk
     monkeypatch.setattr(images, "ONEAPI_REPO", "http://127.0.0.1:9/oneapi")
     with pytest.raises(images.ImageError, match="not reachable from this host"):
         images.require_oneapi_repo(timeout=2)
+
+
+def test_an_exported_tree_takes_the_exporters_source_date_epoch(pipeline, tmp_path, monkeypatch):
+    """Outside git the wheel's zip times come from SOURCE_DATE_EPOCH (the container build
+    passes the commit's time), else 1980; a value that is not a number refuses."""
+    monkeypatch.setattr(pipeline, "ROOT", tmp_path)
+    monkeypatch.delenv("SOURCE_DATE_EPOCH", raising=False)
+    assert pipeline.source_date_epoch() == "315532800"
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1764547200")
+    assert pipeline.source_date_epoch() == "1764547200"
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "yesterday")
+    with pytest.raises(pipeline.Failed, match="SOURCE_DATE_EPOCH must be a number.*'yesterday'"):
+        pipeline.source_date_epoch()
+
+
+def test_compare_builds_names_every_differing_input(pipeline, tmp_path):
+    from ci import containers
+
+    dso, whl = tmp_path / "_C.so", tmp_path / "x.whl"
+    dso.write_bytes(b"dso")
+    whl.write_bytes(b"wheel")
+    native = {
+        "toolchain": {"nvcc": "13.0", "python": "3.11.7"},
+        "target": {"name": "cuda-sm90"},
+        "sources": {"csrc/a.cu": "1"},
+        "git": {"commit": "abc", "dirty": False},
+        "sources_sha256": "s",
+        "dso": {"sha256": "d"},
+    }
+    inside = {**native, "toolchain": {"nvcc": "13.0", "python": "3.11.2"}}
+    inside["git"] = {"commit": "abc", "dirty": True}
+    result = containers.compare_builds(native, inside, dso, whl)
+    assert result["identical"] and result["sources_sha256"] == "s"
+    assert result["wheel"]["sha256"] == pipeline.sha256_file(whl)
+    assert result["input_differences"] == [
+        "toolchain.python: native '3.11.7' vs container '3.11.2'",
+        "git.dirty: native False vs container True",
+    ]

@@ -163,3 +163,20 @@ def test_dso_files_find_the_stable_abi_library(tmp_path):
     assert provenance.dso_files(tmp_path) == []
     (tmp_path / provenance.DSO_NAME).write_bytes(b"\x7fELF")
     assert [p.name for p in provenance.dso_files(tmp_path)] == ["_C.so"]
+
+
+def test_an_exported_tree_takes_the_exporters_git_state(tmp_path, monkeypatch):
+    """Outside git (the container build's export) git_state() is the one the exporter passed
+    in QSA_GIT_STATE; without it, commit None."""
+    monkeypatch.delenv(provenance.GIT_STATE_ENV, raising=False)
+    assert provenance.git_state(tmp_path)["commit"] is None
+    given = {"commit": "a" * 40, "dirty": False, "dirty_paths": []}
+    monkeypatch.setenv(provenance.GIT_STATE_ENV, json.dumps(given))
+    assert provenance.git_state(tmp_path) == given
+
+
+@pytest.mark.parametrize("value", ["not json", "[]", '{"commit": "abc"}'])
+def test_a_malformed_exported_git_state_refuses_naming_the_variable(tmp_path, monkeypatch, value):
+    monkeypatch.setenv(provenance.GIT_STATE_ENV, value)
+    with pytest.raises(ValueError, match=rf"{provenance.GIT_STATE_ENV} must be a JSON object"):
+        provenance.git_state(tmp_path)
