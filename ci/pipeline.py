@@ -670,9 +670,12 @@ def build(env: Env) -> None:
 
 
 def toolchain_versions(env: Env, target: build_targets.Target) -> dict[str, str]:
+    # NOTES: the Python of the build is recorded as major.minor: the library has no CPython
+    # symbol and the wheel is py3-none, and the patch level (3.11.7 here, 3.11.2 in the build
+    # image) made the two builds' wheels differ in nothing else.
     probe = (
-        "import importlib.metadata as m, json, platform\n"
-        "v = {'python': platform.python_version()}\n"
+        "import importlib.metadata as m, json, sys\n"
+        "v = {'python': '%d.%d' % sys.version_info[:2]}\n"
         "for d in ('torch', 'setuptools'):\n"
         "    try:\n        v[d] = m.version(d)\n"
         "    except m.PackageNotFoundError:\n        pass\n"
