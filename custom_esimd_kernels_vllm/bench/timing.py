@@ -425,23 +425,37 @@ def estimate_per_call(
     return statistics.median(times)
 
 
+def host_seconds_interleaved(
+    fns: dict[str, Callable[[], object]], calls: int, reps: int, device: torch.device
+) -> dict[str, float]:
+    """Per function, the median over ``reps`` of the host (wall-clock) time of ``calls``
+    back-to-back calls, per call: what the caller's thread pays to issue the work, not the
+    device time. The reps interleave the functions (rep 1 of each, then rep 2 of each, ...), so
+    a drift of the host's speed during the run reaches every function alike and their ratios
+    stay comparable. The device is synchronised before each rep (an empty queue) and after it.
+
+    NOTES: measured one function after the other, add_ and selection came from different
+    moments of the run: 1.59x in one run against 1.31-1.33x interleaved on the same host."""
+    for fn in fns.values():
+        fn()  # first-call work (caches, lazy init) is not what is measured
+    synchronize(device)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / calls)
+            synchronize(device)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
 def host_seconds_per_call(
     fn: Callable[[], object], calls: int, reps: int, device: torch.device
 ) -> float:
-    """Median over ``reps`` of the host (wall-clock) time of ``calls`` back-to-back calls of
-    ``fn``, per call: what the caller's thread pays to issue the work, not the device time.
-    The device is synchronised before each rep (an empty queue) and after it."""
-    fn()  # first-call work (caches, lazy init) is not what is measured
-    synchronize(device)
-    samples = []
-    for _ in range(reps):
-        synchronize(device)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) / calls)
-        synchronize(device)
-    return statistics.median(samples)
+    """host_seconds_interleaved of one function."""
+    return host_seconds_interleaved({"fn": fn}, calls, reps, device)["fn"]
 
 
 # ----------------------------------------------------------------------------------------

@@ -14,6 +14,15 @@ def test_host_seconds_per_call_counts_every_call():
     assert 0 < seconds < 1e-3
 
 
+def test_host_seconds_interleaved_alternates_the_functions():
+    order = []
+    seconds = timing.host_seconds_interleaved(
+        {"a": lambda: order.append("a"), "b": lambda: order.append("b")}, 2, 3, torch.device("cpu")
+    )
+    assert order == ["a", "b"] + ["a", "a", "b", "b"] * 3  # first calls, then rep by rep
+    assert set(seconds) == {"a", "b"} and all(0 < v < 1e-3 for v in seconds.values())
+
+
 def test_copy_bandwidth_is_measured_one_way():
     bw = timing.measure_copy_bandwidth(torch.device("cpu"), 1 << 20, reps=3)
     assert bw["bytes_moved"] == 2 * bw["bytes_copied"] == 2 << 20

@@ -109,6 +109,14 @@ def test_context_131072(cuda_backend, select_path, R):
     check_rows(case, out, exact=True, limit=1)
 
 
+def test_context_163840_streamed(cuda_backend, select_path):
+    """40,960 blocks: more than the last CTA stages in shared memory (32,768), so its passes
+    stream the keys through L2."""
+    case = _one_request(1, 163840, [163839], seed=12, name="ctx160k")
+    out = run_cuda(case)
+    assert_equal_reference(case, out)
+
+
 def test_context_131072_mass_ties(cuda_backend, select_path):
     case = _one_request(2, 131072, [131071, 100000], seed=8, sparse=True, name="ctx128k_ties")
     out = run_cuda(case)
