@@ -105,7 +105,9 @@ def run_select() -> int:
             os.environ["QSA_SELECT_PATH"] = path
             case.out.fill_(testing.POISON_INT32)
             qsa_ops.select_paged_tokens(*case.args())
-            assert torch.equal(case.out, want), f"{case!r} ({path} path): differs from the reference"
+            assert torch.equal(case.out, want), (
+                f"{case!r} ({path} path): differs from the reference"
+            )
             n += 1
     os.environ.pop("QSA_SELECT_PATH")
     return n

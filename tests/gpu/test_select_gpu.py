@@ -178,7 +178,8 @@ def test_random_data_valid_topk(cuda_backend, seed):
 
 
 @pytest.mark.parametrize(
-    "R, B, M, P, seed", [(1, 1, 5, 8, 21), (1, 1, 256, 300, 22), (8, 2, 64, 160, 23), (64, 4, 16, 80, 24)]
+    "R, B, M, P, seed",
+    [(1, 1, 5, 8, 21), (1, 1, 256, 300, 22), (8, 2, 64, 160, 23), (64, 4, 16, 80, 24)],
 )
 def test_fast_path_equals_generic_on_random_data(cuda_backend, monkeypatch, R, B, M, P, seed):
     """Both paths rank the same stored keys, so on random float data (where the fast path runs
@@ -198,7 +199,9 @@ def test_fast_path_equals_generic_on_random_data(cuda_backend, monkeypatch, R, B
 def test_select_path_knob_refuses_unknown_values(cuda_backend, monkeypatch):
     case = testing.make_select_case("full_page", 1, DEVICE)
     monkeypatch.setenv("QSA_SELECT_PATH", "fastest")
-    with pytest.raises(RuntimeError, match="QSA_SELECT_PATH must be 'auto' or 'generic', got 'fastest'"):
+    with pytest.raises(
+        RuntimeError, match="QSA_SELECT_PATH must be 'auto' or 'generic', got 'fastest'"
+    ):
         qsa_ops.select_paged_tokens(*case.args())
     assert (case.out == testing.POISON_INT32).all()
 
