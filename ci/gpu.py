@@ -51,36 +51,32 @@ SANITIZER_CORPUS = ROOT / "tests" / "gpu" / "sanitizer_corpus.py"
 
 
 def sanitizer(env: Env, pyenv: dict[str, str], cwd: Path, tool: str) -> None:
-    """compute-sanitizer memcheck over every kernel, racecheck over the selection kernel, on
-    the bad-input corpus; exit code 99 when the tool reports an error."""
+    """compute-sanitizer memcheck over every kernel, racecheck over the kernels that share
+    memory between warps (selection, decode-size attention), on the bad-input corpus; exit
+    code 99 when the tool reports an error."""
     if shutil.which("compute-sanitizer") is None:
         raise Failed("compute-sanitizer is not on PATH")
-    args = {
-        "memcheck": ("--tool", "memcheck", "--kernel-name", "kns=qsa", SANITIZER_CORPUS, "all"),
-        "racecheck": (
-            "--tool",
-            "racecheck",
-            "--racecheck-report",
-            "all",
-            "--kernel-name",
-            "kns=select_kernel",
-            SANITIZER_CORPUS,
-            "select",
-        ),
+    racecheck = ("--tool", "racecheck", "--racecheck-report", "all", "--kernel-name")
+    runs = {
+        "memcheck": [("--tool", "memcheck", "--kernel-name", "kns=qsa", "all")],
+        "racecheck": [
+            (*racecheck, "kns=select_kernel", "select"),
+            (*racecheck, "kns=attention_small_kernel", "attention"),
+        ],
     }[tool]
-    *flags, corpus, mode = args
-    env.run(
-        "compute-sanitizer",
-        "--error-exitcode",
-        "99",
-        *flags,
-        env.python(),
-        corpus,
-        mode,
-        env={**pyenv, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"},
-        cwd=cwd,
-        timeout=300,
-    )
+    for *flags, mode in runs:
+        env.run(
+            "compute-sanitizer",
+            "--error-exitcode",
+            "99",
+            *flags,
+            env.python(),
+            SANITIZER_CORPUS,
+            mode,
+            env={**pyenv, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"},
+            cwd=cwd,
+            timeout=300,
+        )
 
 
 def bench_json(

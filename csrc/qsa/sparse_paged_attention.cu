@@ -1,6 +1,12 @@
 // Sparse paged attention over the exact-packed FP16 cache (contract section 2).
 //
-// One launch. grid (R, splits): CTA (r, s) takes the balanced column range
+// One launch, one of two kernels.
+//
+// Decode-size batches (at most 8 rows, when the whole grid fits on the device at once): the
+// small kernel below, 33 or 65 CTAs per row of one DRAM round trip each, merged by waiting
+// CTAs of the same grid (see attention_small_kernel).
+//
+// Otherwise the cluster kernel: grid (R, splits): CTA (r, s) takes the balanced column range
 // [s*2051/splits, (s+1)*2051/splits) of row r, resolves it to cache slots (holes and
 // out-of-table entries dropped, duplicates kept) and runs an online softmax over it. Each
 // token is 1 KiB (256 K halves then 256 V halves): a warp reads it with one 16-byte load per
@@ -15,6 +21,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -405,6 +412,260 @@ __global__ void __launch_bounds__(kThreads, 2)
   cluster_wait_acquire();  // no CTA leaves while its shared memory may still be read
 }
 
+// ---- Decode-size rows: one round trip per CTA, partials merged by waiting CTAs ------------
+// grid (splits, R), kW warps of kT tokens, launched cooperatively (so that every CTA is
+// resident at once: the mergers below wait for the others). CTA s
+// of row r takes the kW * kT columns [s * kW * kT, ...): warp w the kT columns w * kT + j,
+// resolved by kT lanes and broadcast; all of the warp's K/V loads are issued before the
+// first is used. Holes are masked, not compacted. The CTA merges its warps, writes its
+// partial (unnormalised sums, max and sum per head) and releases it on the row counter;
+// CTAs 0..mergers-1 then wait for the row's `splits` arrivals and each merges 32-output
+// slices over all partials in split order (fixed, so the result does not depend on which CTA
+// arrives last). The last merger to finish resets the counter.
+constexpr int kMergeCols = 32;                          // outputs per merge slice
+constexpr int kMergeSlices = kOut / kMergeCols;         // 24
+constexpr int kCounterSpread = 32;  // row counters 128 bytes apart (no shared L2 sector)
+constexpr int kSmallMaxRows = kCounterSlots / kCounterSpread;
+constexpr int kSmallMinCols = 32;                       // the narrowest CTA: 8 warps x 4
+constexpr int kSmallMaxSplits = (kWidth + kSmallMinCols - 1) / kSmallMinCols;  // 65
+static_assert(kHeadDim % kMergeCols == 0, "a merge slice lies in one head");
+
+template <int kW>
+struct SmallShared {
+  float acc[kW][kOut];
+  float m[kW][kHeads];
+  float l[kW][kHeads];
+  float f[kW][kHeads];  // warp w's factor per head in the CTA merge
+  float cm[kHeads];
+  float cl[kHeads];
+  float gm[kW][kMergeCols];
+  float gl[kW][kMergeCols];
+  float ga[kW][kMergeCols];
+};
+
+// kW warps of kT tokens each.
+template <bool kVec16, int kW, int kT>
+__global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
+    attention_small_kernel(AttentionParams p, int splits, int mergers, float* __restrict__ parts) {
+  constexpr int kThreadsS = kW * 32;
+  constexpr int kCols = kW * kT;
+  constexpr int kValues = kT * kHeads;           // partial dots per lane
+  constexpr int kReduce = (kValues + 15) / 16;   // transposed butterflies
+  constexpr int kGroupSplits = (kSmallMaxSplits + kW - 1) / kW;
+  static_assert(kT <= 32 && kCols >= kSmallMinCols, "one resolving lane per column");
+  __shared__ SmallShared<kW> sh;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int s = blockIdx.x;
+  const int64_t r = blockIdx.y;
+
+  // Level 1: q, token_to_req and the warp's index columns together; level 2: the page-table
+  // entries; level 3: every K/V line of the warp.
+  const __half* q = static_cast<const __half*>(p.q) + r * kOut;
+  uint4 qraw[kHeads];
+#pragma unroll
+  for (int h = 0; h < kHeads; ++h) qraw[h] = load8_pred<kVec16>(q + h * kHeadDim + lane * 8, true);
+  const int64_t b = ldg32_pred(p.token_to_req + r, true, -1);
+  const int col = s * kCols + warp * kT + lane;
+  const bool have = lane < kT && col < kWidth;
+  const int32_t li =
+      ldg32_pred(p.logical_indices + r * p.indices_stride + (have ? col : 0), have, -1);
+  const bool row_ok = b >= 0 && b < p.requests;
+  const int32_t* table = p.page_table + (row_ok ? b : 0) * p.page_table_stride;
+  const bool want = row_ok && li >= 0 && li / kKvPage < p.table_width;
+  const int32_t ph = ldg32_pred(table + (want ? li / kKvPage : 0), want, -1);
+  // < P * 512 <= INT32_MAX (checked by the caller)
+  const int32_t my_slot = (ph >= 0 && ph < p.pages) ? ph * kKvPage + li % kKvPage : -1;
+
+  const __half* kv = static_cast<const __half*>(p.kv);
+  uint4 kraw[kT], vraw[kT];
+  bool valid[kT];
+#pragma unroll
+  for (int j = 0; j < kT; ++j) {
+    const int32_t slot = __shfl_sync(0xffffffffu, my_slot, j);
+    valid[j] = slot >= 0;
+    const __half* tok = kv + int64_t(valid[j] ? slot : 0) * kTokenHalves + lane * 8;
+    kraw[j] = load8_pred<kVec16>(tok, valid[j]);
+    vraw[j] = load8_pred<kVec16>(tok + kHeadDim, valid[j]);
+  }
+  {
+    // NOTES: the first use is made to depend on every load (`zero` is 0 at run time, unknown
+    // to the compiler), so that ptxas issues all of them before it (it sank the V loads
+    // behind the first dot products otherwise: two round trips).
+    const uint32_t zero = static_cast<uint32_t>(p.rows >> 62);  // rows < 2^62
+    uint32_t later = vraw[0].x;
+#pragma unroll
+    for (int j = 1; j < kT; ++j) later |= kraw[j].x | vraw[j].x;
+    kraw[0].x |= later & zero;
+  }
+
+  float qf[kHeads][8];
+#pragma unroll
+  for (int h = 0; h < kHeads; ++h) half8_to_float(qraw[h], qf[h]);
+  // value v = j * 3 + h of this lane's 8 dims
+  float part[kReduce][16];
+#pragma unroll
+  for (int v = 0; v < kReduce * 16; ++v) part[v / 16][v % 16] = 0.f;
+#pragma unroll
+  for (int j = 0; j < kT; ++j) {
+    float kf[8];
+    half8_to_float(kraw[j], kf);
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) {
+      float d0 = 0.f;
+#pragma unroll
+      for (int d = 0; d < 8; ++d) d0 = fmaf(qf[h][d], kf[d], d0);
+      part[(j * kHeads + h) / 16][(j * kHeads + h) % 16] = d0;
+    }
+  }
+  float full[kReduce];
+#pragma unroll
+  for (int u = 0; u < kReduce; ++u) full[u] = warp_reduce16(part[u], lane);
+  const float scale_log2 = p.softmax_scale * kLog2e;
+  float sc[kT][kHeads];
+#pragma unroll
+  for (int j = 0; j < kT; ++j) {
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) {
+      const int v = j * kHeads + h;
+      const float dot = __shfl_sync(0xffffffffu, full[v / 16], 2 * (v % 16));
+      sc[j][h] = valid[j] ? dot * scale_log2 : -INFINITY;
+    }
+  }
+  float m[kHeads], l[kHeads], acc[kHeads][8];
+#pragma unroll
+  for (int h = 0; h < kHeads; ++h) {
+    m[h] = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kT; ++j) m[h] = fmaxf(m[h], sc[j][h]);
+    const float ref = m[h] == -INFINITY ? 0.f : m[h];  // holes only: every weight 0
+    l[h] = 0.f;
+#pragma unroll
+    for (int j = 0; j < kT; ++j) {
+      sc[j][h] = exp2f(sc[j][h] - ref);  // now the weight
+      l[h] += sc[j][h];
+    }
+#pragma unroll
+    for (int d = 0; d < 8; ++d) acc[h][d] = 0.f;
+  }
+#pragma unroll
+  for (int j = 0; j < kT; ++j) {
+    float vf[8];
+    half8_to_float(vraw[j], vf);
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) {
+#pragma unroll
+      for (int d = 0; d < 8; ++d) acc[h][d] = fmaf(sc[j][h], vf[d], acc[h][d]);
+    }
+  }
+
+  // ---- The CTA's partial: its warps merged in warp order ----------------------------------
+#pragma unroll
+  for (int h = 0; h < kHeads; ++h) {
+#pragma unroll
+    for (int d = 0; d < 8; d += 4) {
+      *reinterpret_cast<float4*>(&sh.acc[warp][h * kHeadDim + lane * 8 + d]) =
+          make_float4(acc[h][d], acc[h][d + 1], acc[h][d + 2], acc[h][d + 3]);
+    }
+    if (lane == 0) {
+      sh.m[warp][h] = m[h];
+      sh.l[warp][h] = l[h];
+    }
+  }
+  __syncthreads();
+  if (tid < kHeads) {
+    const int h = tid;
+    float mm = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kW; ++w) mm = fmaxf(mm, sh.m[w][h]);
+    float ll = 0.f;
+#pragma unroll
+    for (int w = 0; w < kW; ++w) {
+      const float f = mm == -INFINITY ? 0.f : exp2f(sh.m[w][h] - mm);
+      sh.f[w][h] = f;
+      ll += sh.l[w][h] * f;
+    }
+    sh.cm[h] = mm;
+    sh.cl[h] = ll;
+  }
+  __syncthreads();
+  float* mine = parts + (r * splits + s) * kPartStride;
+#pragma unroll
+  for (int o = tid; o < kOut; o += kThreadsS) {
+    const int h = o / kHeadDim;
+    float aa = 0.f;
+#pragma unroll
+    for (int w = 0; w < kW; ++w) aa += sh.acc[w][o] * sh.f[w][h];
+    mine[o] = aa;
+  }
+  if (tid < kHeads) {
+    mine[kOut + tid] = sh.cm[tid];
+    mine[kOut + kHeads + tid] = sh.cl[tid];
+  }
+  __syncthreads();
+  int32_t* counter = p.counters + r * kCounterSpread;
+  if (tid == 0) detail::red_add_release_gpu(counter, 1);
+  if (s >= mergers) return;
+
+  // ---- Mergers: wait for the row's partials, merge slices in split order ----------------
+  if (tid == 0) {
+    while (detail::ld_acquire_gpu(counter) < splits) {
+    }
+  }
+  __syncthreads();
+  const float* row_parts = parts + r * splits * kPartStride;
+  __half* out = static_cast<__half*>(p.out) + r * kOut;
+  const int g = warp;  // splits g, g + kW, ...
+  const int i = lane;  // output of the slice
+  for (int slice = s; slice < kMergeSlices; slice += mergers) {
+    const int o = slice * kMergeCols + i;
+    const int h = o / kHeadDim;
+    float pm[kGroupSplits], pl[kGroupSplits], pa[kGroupSplits];
+#pragma unroll
+    for (int u = 0; u < kGroupSplits; ++u) {
+      const int sp = g + u * kW;
+      const float* pc = row_parts + sp * kPartStride;
+      const bool in = sp < splits;
+      pm[u] = in ? __ldcg(pc + kOut + h) : -INFINITY;
+      pl[u] = in ? __ldcg(pc + kOut + kHeads + h) : 0.f;
+      pa[u] = in ? __ldcg(pc + o) : 0.f;
+    }
+    float mm = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < kGroupSplits; ++u) mm = fmaxf(mm, pm[u]);
+    float ll = 0.f, aa = 0.f;
+    if (mm != -INFINITY) {
+#pragma unroll
+      for (int u = 0; u < kGroupSplits; ++u) {
+        const float f = exp2f(pm[u] - mm);
+        ll += pl[u] * f;
+        aa += pa[u] * f;
+      }
+    }
+    sh.gm[g][i] = mm;
+    sh.gl[g][i] = ll;
+    sh.ga[g][i] = aa;
+    __syncthreads();
+    if (tid < kMergeCols) {
+      float m2 = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kW; ++w) m2 = fmaxf(m2, sh.gm[w][tid]);
+      float l2 = 0.f, a2 = 0.f;
+      if (m2 != -INFINITY) {
+#pragma unroll
+        for (int w = 0; w < kW; ++w) {
+          const float f = exp2f(sh.gm[w][tid] - m2);
+          l2 += sh.gl[w][tid] * f;
+          a2 += sh.ga[w][tid] * f;
+        }
+      }
+      out[slice * kMergeCols + tid] = __float2half_rn(l2 > 0.f ? a2 / l2 : 0.f);
+    }
+    __syncthreads();
+  }
+  // Every merger adds one more after it has seen all arrivals: the last one resets.
+  if (tid == 0 && atomicAdd(counter, 1) == splits + mergers - 1) *counter = 0;
+}
+
 int sm_count(int device) {
   int sms = 0;
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
@@ -427,12 +688,55 @@ int legal_splits(int64_t rows, int sp) {
   return sp;
 }
 
-}  // namespace attention_impl
+// The decode-size path: 8 warps of 4 tokens per CTA (65 CTAs per row) up to 2 rows, 8 warps
+// of 8 tokens (33 per row) above, when every CTA of the grid is resident at once; else the
+// cluster kernel. NOTES-kernels.md (v8) has the sweep behind the choice.
+enum class Path { kCluster, kSmall4, kSmall8 };
 
-using namespace attention_impl;
+template <int kT>
+constexpr int small_splits() {
+  return (kWidth + 8 * kT - 1) / (8 * kT);
+}
 
-int attention_splits(int64_t rows, int requested, int device) {
-  if (rows <= 0) return 1;
+template <int kT>
+int64_t small_resident(int device) {
+  static std::atomic<int64_t> cached[64];
+  if (device < 0 || device >= 64) return 0;
+  int64_t n = cached[device].load(std::memory_order_relaxed);
+  if (n == 0) {
+    int a = 0, b = 0;  // both variants: the unaligned one may hold more registers
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &a, attention_small_kernel<true, 8, kT>, 8 * 32, 0) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &b, attention_small_kernel<false, 8, kT>, 8 * 32, 0) != cudaSuccess) {
+      (void)cudaGetLastError();
+      a = b = 0;
+    }
+    n = int64_t(std::max(std::min(a, b), 0)) * sm_count(device) + 1;  // 0 = not asked yet
+    cached[device].store(n, std::memory_order_relaxed);
+  }
+  return n - 1;
+}
+
+Path choose_path(int64_t rows, int requested, int device) {
+  if (rows <= 0 || requested > 0 || rows > kSmallMaxRows) return Path::kCluster;
+  const bool fits4 = rows * small_splits<4>() <= small_resident<4>(device);
+  const bool fits8 = rows * small_splits<8>() <= small_resident<8>(device);
+  if (rows <= 2 && fits4) return Path::kSmall4;
+  if (fits8) return Path::kSmall8;
+  return fits4 ? Path::kSmall4 : Path::kCluster;
+}
+
+template <int kW, int kT>
+cudaError_t launch_small(const cudaLaunchConfig_t& cfg, bool vec16, const AttentionParams& p,
+                         int splits, int mergers, float* parts) {
+  return vec16 ? cudaLaunchKernelEx(&cfg, attention_small_kernel<true, kW, kT>, p, splits, mergers, parts)
+               : cudaLaunchKernelEx(&cfg, attention_small_kernel<false, kW, kT>, p, splits, mergers, parts);
+}
+
+
+// The cluster kernel's split count (also the fallback when a cooperative grid is refused).
+int cluster_splits(int64_t rows, int requested, int device) {
   if (requested > 0) return legal_splits(rows, requested);
   // NOTES: anchored on the L2-cold split sweep of the H200 (NOTES-kernels.md, v6a): the best
   // grids were 64 CTAs at R=1 (8 clusters of 8), 192 at R=8 (24 splits), 128 at R=64 (2) and
@@ -446,10 +750,33 @@ int attention_splits(int64_t rows, int requested, int device) {
   return legal_splits(rows, static_cast<int>(sp));
 }
 
+int path_splits(Path path, int64_t rows, int requested, int device) {
+  switch (path) {
+    case Path::kSmall4: return small_splits<4>();
+    case Path::kSmall8: return small_splits<8>();
+    default: return cluster_splits(rows, requested, device);
+  }
+}
+
+size_t path_workspace(Path path, int64_t rows, int splits) {
+  if (path != Path::kCluster) return static_cast<size_t>(rows) * splits * kPartStride * sizeof(float);
+  if (splits <= kMaxCluster) return 0;
+  return static_cast<size_t>(rows) * (splits / kMaxCluster) * kPartStride * sizeof(float);
+}
+
+}  // namespace attention_impl
+
+using namespace attention_impl;
+
+int attention_splits(int64_t rows, int requested, int device) {
+  if (rows <= 0) return 1;
+  return path_splits(choose_path(rows, requested, device), rows, requested, device);
+}
+
 size_t attention_workspace_bytes(int64_t rows, int requested, int device) {
-  const int sp = attention_splits(rows, requested, device);
-  if (sp <= kMaxCluster) return 0;
-  return static_cast<size_t>(rows) * (sp / kMaxCluster) * kPartStride * sizeof(float);
+  if (rows <= 0) return 0;
+  const Path path = choose_path(rows, requested, device);
+  return path_workspace(path, rows, path_splits(path, rows, requested, device));
 }
 
 int64_t attention_counter_slots() { return kCounterSlots; }
@@ -461,20 +788,42 @@ cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  const int splits = attention_splits(p.rows, p.splits, device);
-  const int csize = cluster_size(splits);
-  if (splits > kMaxCluster) {
-    if (p.workspace_bytes < attention_workspace_bytes(p.rows, p.splits, device) ||
-        p.counters == nullptr) {
-      return cudaErrorInvalidValue;
-    }
+  const Path path = choose_path(p.rows, p.splits, device);
+  int splits = path_splits(path, p.rows, p.splits, device);
+  const size_t need = path_workspace(path, p.rows, splits);
+  if (p.workspace_bytes < need || (p.counters == nullptr && (need > 0 || path != Path::kCluster))) {
+    return cudaErrorInvalidValue;
   }
+  const bool vec16 = detail::aligned16(p.q) && detail::aligned16(p.kv);
+  float* parts = static_cast<float*>(p.workspace);
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(p.rows), static_cast<unsigned>(splits));
-  cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = 0;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
+  if (path != Path::kCluster) {
+    cfg.gridDim = dim3(static_cast<unsigned>(splits), static_cast<unsigned>(p.rows));
+    cfg.blockDim = dim3(8 * 32);
+    attr[0].id = cudaLaunchAttributeCooperative;  // the mergers wait for the other CTAs
+    attr[0].val.cooperative = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    const int mergers = std::min(splits, kMergeSlices);
+    err = path == Path::kSmall4 ? launch_small<8, 4>(cfg, vec16, p, splits, mergers, parts)
+                                : launch_small<8, 8>(cfg, vec16, p, splits, mergers, parts);
+    if (err != cudaErrorCooperativeLaunchTooLarge) {
+      if (err != cudaSuccess) return err;
+      return cudaGetLastError();
+    }
+    // Fewer SMs than the device reports (a partitioned device): the cluster kernel, whose
+    // workspace and counters the small path's cover.
+    (void)cudaGetLastError();
+    cfg.attrs = nullptr;
+    cfg.numAttrs = 0;
+    splits = cluster_splits(p.rows, p.splits, device);
+  }
+  const int csize = cluster_size(splits);
+  cfg.gridDim = dim3(static_cast<unsigned>(p.rows), static_cast<unsigned>(splits));
+  cfg.blockDim = dim3(kThreads);
   if (csize > 1) {
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = 1;
@@ -483,8 +832,7 @@ cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream
     cfg.attrs = attr;
     cfg.numAttrs = 1;
   }
-  float* parts = static_cast<float*>(p.workspace);
-  if (detail::aligned16(p.q) && detail::aligned16(p.kv)) {
+  if (vec16) {
     err = cudaLaunchKernelEx(&cfg, attention_kernel<true>, p, splits, csize, parts);
   } else {
     err = cudaLaunchKernelEx(&cfg, attention_kernel<false>, p, splits, csize, parts);

@@ -62,8 +62,11 @@ def attention_corpus():
     yield testing.random_attention_case(2, 0, 3, 3, device=DEVICE, seed=4, name="B=0")
     yield testing.random_attention_case(0, 1, 3, 3, device=DEVICE, seed=5, name="R=0")
     yield testing.random_attention_case(2, 2, 3, 5, device=DEVICE, seed=6, lead=3, name="unaligned")
-    for R in (1, 7, 300):
+    for R in (1, 2, 7, 8, 300):  # the decode-size kernel's two variants, the cluster kernel
         yield testing.random_attention_case(R, 3, 6, 9, device=DEVICE, seed=R)
+    yield testing.random_attention_case(
+        6, 3, 6, 9, device=DEVICE, seed=7, lead=3, name="unaligned R=6"
+    )
 
 
 def update_corpus():

@@ -45,6 +45,36 @@ def test_seed_case(cuda_backend, name, R):
     assert_close_reference(case, out)
 
 
+@pytest.mark.parametrize("R", [1, 2, 3, 4, 8, 9])
+@pytest.mark.parametrize("lead", [0, 3])
+def test_decode_paths(cuda_backend, R, lead):
+    """The decode-size kernel (65 CTAs per row up to 2 rows, 33 up to 8, when the grid fits
+    at once; R = 9 is the cluster kernel) on every seed pattern at once: holes, duplicates,
+    a short row, an empty row, a row of an invalid request; lead=3: K/V not 16-byte aligned."""
+    names = ["full_width_2051", "duplicates", "valid_width_32", "empty", "holes"]
+    case = testing.random_attention_case(R, 3, 8, 12, device=DEVICE, seed=40 + R, lead=lead)
+    for i in range(R):  # rows of each kind
+        kind = names[i % len(names)]
+        row = case.logical_indices[i]
+        if kind == "duplicates":
+            row[1::2] = row[0::2][: row[1::2].numel()]
+        elif kind == "valid_width_32":
+            row[32:] = -1
+        elif kind == "empty":
+            row[:] = -1
+        elif kind == "holes":
+            row[::3] = -1
+    if R > 1:
+        case.token_to_req[R - 1] = -1  # an invalid request: a zero row
+    if torch.cuda.get_device_properties(DEVICE).multi_processor_count >= 132:
+        want = 65 if R <= 2 else 33 if R <= 8 else None
+        if want is not None:
+            assert ops.attention_splits(R) == want
+    out = run_cuda(case)
+    check_rows(case, out)
+    assert_close_reference(case, out)
+
+
 @pytest.mark.parametrize("scale", [None, 0.01, 0.2, 1.0])
 def test_softmax_scale(cuda_backend, scale):
     case = testing.make_attention_case("full_width_2051", 2, DEVICE, seed=5)
