@@ -141,11 +141,23 @@ __device__ __forceinline__ int block_inclusive_scan(int x, int* warp_sums) {
 // (keys written by other CTAs of this launch: read through L2). Missing blocks read as 0.
 constexpr int kTile = kThreads * 4 * kStreamUnroll;  // 16384 blocks
 
+// kBounded: skip the slot rows past the row's blocks (all zero), for a resident tile.
+// NOTES: the visits' unrolled bodies are ~25 KB of the kernel's code and the last CTA runs
+// them once, so the time of a short row went to instruction fetch (ncu: `no_inst` stalls at
+// the visits' lines): stopping at the row's end took P8192 from 9.3 to 8.4 us. On streamed
+// tiles the same branches cost 1 us at 128K (32K blocks), so they are not taken there.
+template <bool kBounded>
 __device__ __forceinline__ void load_tile(const uint32_t* keys, int nbv, int base,
                                           uint4 (&v)[kStreamUnroll]) {
   const uint4* k4 = reinterpret_cast<const uint4*>(keys);  // rows start 16-byte aligned
 #pragma unroll
   for (int u = 0; u < kStreamUnroll; ++u) {
+    if constexpr (kBounded) {
+      if (base + u * kThreads * 4 >= nbv) {  // uniform over the CTA
+        v[u] = make_uint4(0, 0, 0, 0);
+        continue;
+      }
+    }
     const int j = base + (u * kThreads + threadIdx.x) * 4;
     if (j + 3 < nbv) {
       v[u] = __ldcg(k4 + j / 4);
@@ -159,10 +171,14 @@ __device__ __forceinline__ void load_tile(const uint32_t* keys, int nbv, int bas
 }
 
 // f(j, key) for the tile's usable blocks (key != 0).
-template <typename F>
-__device__ __forceinline__ void visit_tile(const uint4 (&v)[kStreamUnroll], int base, F&& f) {
+template <bool kBounded, typename F>
+__device__ __forceinline__ void visit_tile(const uint4 (&v)[kStreamUnroll], int base, int nbv,
+                                           F&& f) {
 #pragma unroll
   for (int u = 0; u < kStreamUnroll; ++u) {
+    if constexpr (kBounded) {
+      if (base + u * kThreads * 4 >= nbv) break;  // uniform over the CTA
+    }
     const int j = base + (u * kThreads + threadIdx.x) * 4;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -173,18 +189,19 @@ __device__ __forceinline__ void visit_tile(const uint4 (&v)[kStreamUnroll], int 
 }
 
 // f(j, key) for every usable block of a row: from the registers of a resident tile (rows of
-// at most kTile blocks, loaded once), else streamed through L2 tile by tile.
+// at most kTile blocks, loaded once with load_tile<true>), else streamed through L2 tile by
+// tile.
 template <typename F>
 __device__ __forceinline__ void for_each_key(const uint32_t* keys, int nbv, bool resident,
                                              const uint4 (&tile)[kStreamUnroll], F&& f) {
   if (resident) {
-    visit_tile(tile, 0, f);
+    visit_tile<true>(tile, 0, nbv, f);
     return;
   }
   for (int base = 0; base < nbv; base += kTile) {
     uint4 v[kStreamUnroll];
-    load_tile(keys, nbv, base, v);
-    visit_tile(v, base, f);
+    load_tile<false>(keys, nbv, base, v);
+    visit_tile<false>(v, base, nbv, f);
   }
 }
 
@@ -476,7 +493,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   const bool resident = nv <= kTile;
   uint4 tile[kStreamUnroll];
-  if (resident) load_tile(K, nv, 0, tile);
+  if (resident) load_tile<true>(K, nv, 0, tile);
   __syncthreads();
   // NOTES: plain shared atomics (fire and forget): a warp vote per key to aggregate mass
   // ties cost ~40 cycles of dependent latency per key on the row's critical path.
