@@ -4,18 +4,19 @@
 //   * every CTA scores pages of its row, two at a time (two groups of 8 warps; tensor-core
 //     mma: 16 keys x 4 heads per warp and m16n8k16 step, float32 accumulation) and stores each
 //     block's score as an order-preserving uint32 key in the workspace;
-//   * the CTA that arrives last at its row's counter selects the row: a 12-bit histogram of
-//     the keys gives the bin of the 512-th largest; every key at or above that bin goes to a
-//     shared buffer at its bin's offset (bins descending), and each key's place inside its bin
-//     is its rank by (key desc, block asc), counted against its bin mates; the place is the
-//     output column. Rows whose bins hold too many equal keys (mass ties) take the generic
+//   * the CTA that arrives last at its row's counter selects the row: a 4096-bin histogram of
+//     the keys (bins relative to the row's largest key, which every CTA folds into one
+//     atomicMax before it arrives) gives the bin of the 512-th largest; every key at or above
+//     that bin goes to a shared buffer at its bin's offset (bins descending), and each key's
+//     place inside its bin is its rank by (key desc, block asc), counted against its bin
+//     mates; the place is the output column. Rows whose bins hold too many equal keys (mass ties) take the generic
 //     path: an exact 3-pass radix select, an ordered gather and a bitonic sort.
 //
 // NOTES: scores are >= 0 after ReLU, so the IEEE bit pattern of a float score orders like the
 // score itself. key = bits + 1 for a usable block and 0 for an unusable one, so one unsigned
 // compare ranks everything and unusable blocks can never win. -0.0 is canonicalised to +0.0
 // (x > 0 ? x : 0) so that it ties with +0.0 exactly as in the reference. Keys are < 2^31
-// (the largest is +inf's bits + 1): the 12-bit first digit is key >> 19.
+// (the largest is +inf's bits + 1).
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -57,7 +58,15 @@ constexpr int kGroups = kThreads / kGroupThreads;
 constexpr int kScoreChunk = 16 * (kGroupThreads / 32);  // blocks per group iteration
 static_assert(kScoreChunk == kCkPage, "a group iteration scores exactly one page");
 
-constexpr int kDigitShift = 19;                // first digit: key bits 30..19
+// NOTES (v7i): the first digit is relative to the row's largest key: bin 4095 holds the keys
+// whose bits >> 15 equal the largest key's, each bin below one step (2^15 key units, 256 bins
+// per octave) lower, 16 octaves in all; keys further down share bin 0. The digit is monotone
+// in the key, so bins still partition the keys in order, and the place inside a bin is its
+// rank by the full (key, block), so bin 0's clamping changes only how much work a row takes
+// (a row whose 512-th key is in bin 0 has > 1024 keys there and takes the generic path).
+// Absolute 16-per-octave bins held 60-300 keys each around the 512-th key, and the rank loop
+// walks a key's whole bin.
+constexpr int kDigitShift = 15;
 constexpr int kDigitBins = 4096;
 constexpr int kBinsPerThread = kDigitBins / kThreads;
 constexpr int kBufCap = 1024;                  // keys at or above the threshold bin (fast path)
@@ -70,6 +79,15 @@ constexpr int kStreamUnroll = 8;               // 16-byte key loads in flight pe
 // row needs 128 KiB; 512 such rows fit). A group never has more rows than counters.
 constexpr size_t kWorkspaceCap = size_t(64) << 20;
 constexpr int64_t kCounterSlots = 8192;        // one arrival counter per row of a group
+// counters[kCounterSlots + rl]: the row's largest key (atomicMax of every CTA's before it
+// arrives), read and reset to 0 by the row's last CTA.
+constexpr int64_t kMaxKeySlot = kCounterSlots;
+
+// The first digit of key (> 0) in a row whose largest key is maxkey.
+__device__ __forceinline__ uint32_t first_digit(uint32_t key, uint32_t top) {
+  const int d = int(key >> kDigitShift) - int(top) + (kDigitBins - 1);  // top = maxkey >> shift
+  return static_cast<uint32_t>(d > 0 ? d : 0);
+}
 
 struct FastShared {
   uint32_t start[kDigitBins];      // histogram, then each bin's first buffer slot
@@ -91,6 +109,7 @@ struct SelectShared {
   int warp_out_base[kWarps];
   int scan[32];
   uint32_t digit;
+  uint32_t maxkey;
   int above;
   int digit_count;
   int chosen;
@@ -415,6 +434,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const __half* ck = static_cast<const __half*>(p.compressed_keys);
   const uint32_t zero = static_cast<uint32_t>(ncap >> 62);  // ncap < 2^62
   const int64_t stride = int64_t(gridDim.x) * kGroups * kScoreChunk;
+  uint32_t kmax = 0;  // the largest key this thread stored
   for (int64_t j0 = first; j0 < nbv; j0 += stride) {
     // The next chunk's page-table entry goes out with this chunk's keys.
     const bool more = j0 + stride < nbv;
@@ -463,15 +483,34 @@ __global__ void __launch_bounds__(kThreads, 1)
     lo += __shfl_xor_sync(0xffffffffu, lo, 1);
     hi += __shfl_xor_sync(0xffffffffu, hi, 1);
     if (t == 0) {
-      if (jw + g < nbv) row_keys[jw + g] = __float_as_uint(lo * kScoreScale) + 1u;
-      if (jw + g + 8 < nbv) row_keys[jw + g + 8] = __float_as_uint(hi * kScoreScale) + 1u;
+      const uint32_t klo = __float_as_uint(lo * kScoreScale) + 1u;
+      const uint32_t khi = __float_as_uint(hi * kScoreScale) + 1u;
+      if (jw + g < nbv) {
+        row_keys[jw + g] = klo;
+        kmax = max(kmax, klo);
+      }
+      if (jw + g + 8 < nbv) {
+        row_keys[jw + g + 8] = khi;
+        kmax = max(kmax, khi);
+      }
     }
     phys = next;
   }
 
   // ---- Arrival: the row's last CTA selects ----------------------------------------------
+  kmax = __reduce_max_sync(0xffffffffu, kmax);
+  if (lane == 0) sh.scan[tid >> 5] = static_cast<int>(kmax);  // keys < 2^31
   __syncthreads();
-  if (tid == 0) sh.is_last = atomic_add_acq_rel_gpu(counters + rl, 1) == int(gridDim.x) - 1;
+  uint32_t* maxkey = reinterpret_cast<uint32_t*>(counters + kMaxKeySlot + rl);
+  if (tid < 32) {
+    const uint32_t m = __reduce_max_sync(
+        0xffffffffu, lane < kWarps ? static_cast<uint32_t>(sh.scan[lane]) : 0u);
+    if (tid == 0) {
+      if (m) atomicMax(maxkey, m);  // ordered before the arrival's release
+      sh.is_last = atomic_add_acq_rel_gpu(counters + rl, 1) == int(gridDim.x) - 1;
+      if (sh.is_last) sh.maxkey = atomicExch(maxkey, 0u);  // after the acquire: every CTA's
+    }
+  }
   __syncthreads();
   if (!sh.is_last) return;
   int32_t* out = p.out + r * p.out_stride;
@@ -491,6 +530,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     sh.fill = 0;
     sh.work = 0;
   }
+  const uint32_t top = sh.maxkey >> kDigitShift;
   const bool resident = nv <= kTile;
   uint4 tile[kStreamUnroll];
   if (resident) load_tile<true>(K, nv, 0, tile);
@@ -498,7 +538,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // NOTES: plain shared atomics (fire and forget): a warp vote per key to aggregate mass
   // ties cost ~40 cycles of dependent latency per key on the row's critical path.
   for_each_key(K, nv, resident, tile, [&](int, uint32_t key) {
-    atomicAdd(&start[key >> kDigitShift], 1u);
+    atomicAdd(&start[first_digit(key, top)], 1u);
   });
   __syncthreads();
   // Thread t owns bins 4095 - 8 t - i (i < 8), scanned from the top.
@@ -551,8 +591,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Fast path: every key at or above the threshold bin, grouped by bin.
     unsigned long long* buf = sh.u.f.buf;
     for_each_key(K, nv, resident, tile, [&](int j, uint32_t key) {
-      if ((key >> kDigitShift) >= d1) {
-        const uint32_t slot = atomicAdd(&cursor[key >> kDigitShift], 1u);
+      const uint32_t d = first_digit(key, top);
+      if (d >= d1) {
+        const uint32_t slot = atomicAdd(&cursor[d], 1u);
         // (key, ~j) descending = score descending, lower block first on ties.
         buf[slot] = (static_cast<unsigned long long>(key) << 32) |
                     (0xffffffffu - static_cast<uint32_t>(j));
@@ -562,7 +603,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // A key's place = its bin's first slot + the bin mates above it; places < kb are output.
     for (int s = tid; s < total; s += kThreads) {
       const unsigned long long e = buf[s];
-      const uint32_t bin = static_cast<uint32_t>(e >> 32) >> kDigitShift;
+      const uint32_t bin = first_digit(static_cast<uint32_t>(e >> 32), top);
       const int lo = static_cast<int>(start[bin]), hi = static_cast<int>(cursor[bin]);
       int above_e = 0;
 #pragma unroll 4
@@ -621,7 +662,7 @@ size_t select_workspace_bytes(int64_t rows, int64_t table_width) {
          static_cast<size_t>(candidate_blocks(table_width)) * sizeof(uint32_t);
 }
 
-int64_t select_counter_slots() { return kCounterSlots; }
+int64_t select_counter_slots() { return 2 * kCounterSlots; }  // arrivals, then largest keys
 
 int64_t select_launch_count(int64_t rows, int64_t table_width) {
   if (rows <= 0) return 0;
