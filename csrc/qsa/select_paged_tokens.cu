@@ -423,7 +423,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int32_t* table = p.page_table + (b_ok ? b : 0) * p.page_table_stride;
   const int64_t len = detail::ldg32_pred(p.sequence_lengths + (b_ok ? b : 0), b_ok, 0);
   // (first < ncap: the table has this page; with M = 0 there is no entry to read)
+  const int64_t stride = int64_t(gridDim.x) * kGroups * kScoreChunk;
   int64_t phys = detail::ldg32_pred(table + first / kCkPage, b_ok && first < ncap, -1);
+  int64_t phys_next =
+      detail::ldg32_pred(table + (first + stride) / kCkPage, b_ok && first + stride < ncap, -1);
   int64_t n = pos1 < len ? pos1 : len;
   n = n > 0 ? n : 0;
   const int64_t nb = n / kRatio;
@@ -433,68 +436,86 @@ __global__ void __launch_bounds__(kThreads, 1)
   // ---- Scores: each page group scores one page per iteration, 16 blocks per warp ---------
   const __half* ck = static_cast<const __half*>(p.compressed_keys);
   const uint32_t zero = static_cast<uint32_t>(ncap >> 62);  // ncap < 2^62
-  const int64_t stride = int64_t(gridDim.x) * kGroups * kScoreChunk;
-  uint32_t kmax = 0;  // the largest key this thread stored
-  for (int64_t j0 = first; j0 < nbv; j0 += stride) {
-    // The next chunk's page-table entry goes out with this chunk's keys.
-    const bool more = j0 + stride < nbv;
-    const int64_t next = detail::ldg32_pred(table + (more ? (j0 + stride) / kCkPage : 0), more, -1);
-    const bool usable = phys >= 0 && phys < p.pages;
-    if (!usable) {
-      // Never read: an unusable block gets key 0 and can never be chosen.
-      for (int i = gtid; i < kScoreChunk; i += kGroupThreads) {
-        if (j0 + i < nbv) row_keys[j0 + i] = 0u;
-      }
-      phys = next;
-      continue;
-    }
-    // Warp w of the group scores blocks j0 + 16 w + (0..15); lane (g, t) loads rows g and g + 8 (A
-    // fragments), dims 8 (4 s + t) .. + 8. NOTES: unpredicated loads of a clamped block
-    // (same page); a clamped block's score is not stored.
+  // Warp w of the group scores blocks j0 + 16 w + (0..15); lane (g, t) loads rows g and g + 8
+  // (A fragments), dims 8 (4 s + t) .. + 8. NOTES: unpredicated loads of a clamped block
+  // (same page); a clamped block's score is not stored. An unusable page is never read.
+  auto issue = [&](int64_t j0, int64_t ph, uint4(&ra)[4], uint4(&rb)[4]) {
     const int64_t jw = j0 + 16 * gwarp;
     const int64_t ja = min(jw + g, nbv - 1), jb = min(jw + g + 8, nbv - 1);
-    const __half* pa = ck + (phys * kCkPage + (ja % kCkPage)) * kIndexDim + 8 * t;
-    const __half* pb = ck + (phys * kCkPage + (jb % kCkPage)) * kIndexDim + 8 * t;
-    uint4 ra[4], rb[4];
+    const __half* pa = ck + (ph * kCkPage + (ja % kCkPage)) * kIndexDim + 8 * t;
+    const __half* pb = ck + (ph * kCkPage + (jb % kCkPage)) * kIndexDim + 8 * t;
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       ra[s] = load8<kVec16>(pa + 32 * s);
       rb[s] = load8<kVec16>(pb + 32 * s);
     }
-    // NOTES: the first mma is made to depend on every load (`zero` is 0 at run time, unknown
-    // to the compiler), so that ptxas issues all 8 loads before the first mma.
-    uint32_t later = rb[0].x;
+  };
+  auto usable_page = [&](int64_t ph) { return ph >= 0 && ph < p.pages; };
+  // NOTES (v7j): with 16-byte loads, two chunks are in flight per group: the next chunk's key
+  // loads (and the page-table entry of the one after) go out before this chunk's mma. The
+  // 2-byte path keeps one (its loads need twice the registers).
+  constexpr bool kPipe = kVec16;
+  uint4 ca[4], cb[4];
+  if (kPipe && first < nbv && usable_page(phys)) issue(first, phys, ca, cb);
+  uint32_t kmax = 0;  // the largest key this thread stored
+  for (int64_t j0 = first; j0 < nbv; j0 += stride) {
+    const int64_t j1 = j0 + stride;
+    const bool more = j1 + stride < nbv;
+    const int64_t phys_after =
+        detail::ldg32_pred(table + (more ? (j1 + stride) / kCkPage : 0), more, -1);
+    uint4 na[4], nb4[4];
+    if (kPipe && j1 < nbv && usable_page(phys_next)) issue(j1, phys_next, na, nb4);
+    if (!usable_page(phys)) {
+      // Never read: an unusable block gets key 0 and can never be chosen.
+      for (int i = gtid; i < kScoreChunk; i += kGroupThreads) {
+        if (j0 + i < nbv) row_keys[j0 + i] = 0u;
+      }
+    } else {
+      if (!kPipe) issue(j0, phys, ca, cb);
+      // NOTES: the first mma is made to depend on every load of this chunk (`zero` is 0 at
+      // run time, unknown to the compiler), so that ptxas issues all 8 loads before it.
+      uint32_t later = cb[0].x;
 #pragma unroll
-    for (int s = 1; s < 4; ++s) later |= ra[s].x | rb[s].x;
-    ra[0].x |= later & zero;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int s = 1; s < 4; ++s) later |= ca[s].x | cb[s].x;
+      ca[0].x |= later & zero;
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
+      for (int s = 0; s < 4; ++s) {
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        mma_16816(acc, word(ra[s], 2 * u), word(rb[s], 2 * u), word(ra[s], 2 * u + 1),
-                  word(rb[s], 2 * u + 1), word(qv[s], 2 * u), word(qv[s], 2 * u + 1));
+        for (int u = 0; u < 2; ++u) {
+          mma_16816(acc, word(ca[s], 2 * u), word(cb[s], 2 * u), word(ca[s], 2 * u + 1),
+                    word(cb[s], 2 * u + 1), word(qv[s], 2 * u), word(qv[s], 2 * u + 1));
+        }
+      }
+      // acc: (block g, heads 2t, 2t+1), (block g + 8, heads 2t, 2t+1); heads >= 4 are zero.
+      // ReLU also maps -0.0 to +0.0.
+      float lo = (acc[0] > 0.f ? acc[0] : 0.f) + (acc[1] > 0.f ? acc[1] : 0.f);
+      float hi = (acc[2] > 0.f ? acc[2] : 0.f) + (acc[3] > 0.f ? acc[3] : 0.f);
+      lo += __shfl_xor_sync(0xffffffffu, lo, 1);
+      hi += __shfl_xor_sync(0xffffffffu, hi, 1);
+      const int64_t jw = j0 + 16 * gwarp;
+      if (t == 0) {
+        const uint32_t klo = __float_as_uint(lo * kScoreScale) + 1u;
+        const uint32_t khi = __float_as_uint(hi * kScoreScale) + 1u;
+        if (jw + g < nbv) {
+          row_keys[jw + g] = klo;
+          kmax = max(kmax, klo);
+        }
+        if (jw + g + 8 < nbv) {
+          row_keys[jw + g + 8] = khi;
+          kmax = max(kmax, khi);
+        }
       }
     }
-    // acc: (block g, heads 2t, 2t+1), (block g + 8, heads 2t, 2t+1); heads >= 4 are zero.
-    // ReLU also maps -0.0 to +0.0.
-    float lo = (acc[0] > 0.f ? acc[0] : 0.f) + (acc[1] > 0.f ? acc[1] : 0.f);
-    float hi = (acc[2] > 0.f ? acc[2] : 0.f) + (acc[3] > 0.f ? acc[3] : 0.f);
-    lo += __shfl_xor_sync(0xffffffffu, lo, 1);
-    hi += __shfl_xor_sync(0xffffffffu, hi, 1);
-    if (t == 0) {
-      const uint32_t klo = __float_as_uint(lo * kScoreScale) + 1u;
-      const uint32_t khi = __float_as_uint(hi * kScoreScale) + 1u;
-      if (jw + g < nbv) {
-        row_keys[jw + g] = klo;
-        kmax = max(kmax, klo);
-      }
-      if (jw + g + 8 < nbv) {
-        row_keys[jw + g + 8] = khi;
-        kmax = max(kmax, khi);
+    if (kPipe) {
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        ca[s] = na[s];
+        cb[s] = nb4[s];
       }
     }
-    phys = next;
+    phys = phys_next;
+    phys_next = phys_after;
   }
 
   // ---- Arrival: the row's last CTA selects ----------------------------------------------
