@@ -402,7 +402,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates
   const int grp = tid / kGroupThreads, gtid = tid % kGroupThreads, gwarp = gtid >> 5;
-  const int64_t first = (int64_t(blockIdx.x) * kGroups + grp) * kScoreChunk;
+  // Group grp of CTA x scores chunks (grp * X + x) + k * 2X: with fewer chunks than CTAs'
+  // groups (a grid of one CTA per chunk) the second groups have nothing to score.
+  const int64_t first = (int64_t(grp) * gridDim.x + blockIdx.x) * kScoreChunk;
 
   // NOTES: the dependent chain before the keys is 3 loads: token_to_req, the query position
   // and q go out together; the sequence length and the first page-table entry then go out
@@ -701,15 +703,15 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
   const bool vec16 = detail::aligned16(p.q) && detail::aligned16(p.compressed_keys);
   const int64_t g = group_rows(p.rows, p.table_width);
   const int64_t chunks = std::max<int64_t>(1, (ncap + kScoreChunk - 1) / kScoreChunk);
-  const int64_t ctas = (chunks + kGroups - 1) / kGroups;  // CTAs that cover a row in one pass
   for (int64_t row0 = 0; row0 < p.rows; row0 += g) {
     const int64_t n = std::min<int64_t>(g, p.rows - row0);
     // NOTES: one wave: the grid is at most one CTA per SM (short CTAs in many
     // waves each paid the 3-load chain before their keys: v6's R = 64 ran 10 waves), at least
     // one CTA per row; CTAs loop over the remaining pages (the next page-table entries load
-    // with the current keys).
+    // with the current keys). v7k: up to one CTA per page (a row of few pages spreads its
+    // DRAM reads over twice the SMs; the L2-cold P8192 row read 64 KiB per SM).
     const int64_t per_row = std::max<int64_t>(1, int64_t(sm_count()) / n);
-    const dim3 grid(static_cast<unsigned>(std::min(ctas, per_row)), static_cast<unsigned>(n));
+    const dim3 grid(static_cast<unsigned>(std::min(chunks, per_row)), static_cast<unsigned>(n));
     if (vec16) {
       select_kernel<true><<<grid, kThreads, 0, stream>>>(p, row0, ncap, keys, p.counters);
     } else {
