@@ -391,7 +391,12 @@ class GraphUnit:
 
     def _capture(self) -> torch.cuda.CUDAGraph:
         # NOTES: warm up on a side stream first (as torch.cuda.graphs recommends), so that
-        # lazy initialisation (allocator, library handles, compiled kernels) is not captured.
+        # lazy initialisation (allocator, library handles, compiled kernels) is not captured,
+        # and capture on that same stream, as vLLM does (it captures on the stream its warm-up
+        # and profiling runs used). The ops keep their scratch and zeroed counters per
+        # (device, stream): captured on a stream that never ran them eagerly (torch's default
+        # capture stream), every captured call takes its own scratch from the graph's pool
+        # and a captured zero fill of its counters, which each replay then runs as well.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -400,7 +405,7 @@ class GraphUnit:
         torch.cuda.current_stream(self.device).wait_stream(side)
         synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):
             for i in range(self.calls):
                 self.call(self.copies[i % len(self.copies)])
         synchronize(self.device)
