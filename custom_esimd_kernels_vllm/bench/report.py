@@ -130,7 +130,12 @@ def _target_table(cases: list[dict]) -> list[str]:
 
 
 def _quoted_topk(c: dict, data: dict) -> float | None:
-    q = data.get("upstream", {}).get("quoted_topk_us", {})
+    """The quoted compiled top-k of a selection case timed with the stand-in top-k, in µs
+    (None for attention, when the compiled top-k ran, or when no figure is quoted)."""
+    up = data.get("upstream", {})
+    if up.get("compiled_topk", False) or c["spec"]["op"] != "selection":
+        return None
+    q = up.get("quoted_topk_us", {})
     blocks = c.get("floor", {}).get("counts", {}).get("usable_blocks", 0) // max(
         1, c["spec"]["rows"]
     )
@@ -138,18 +143,13 @@ def _quoted_topk(c: dict, data: dict) -> float | None:
 
 
 def _upstream_estimate(c: dict, mode: str, data: dict) -> float | None:
-    """Selection with the stand-in top-k: upstream's measured scoring + the quoted compiled
-    top-k, in µs (None for attention, with the compiled top-k, or when either is missing)."""
-    if data.get("upstream", {}).get("compiled_topk", False) or c["spec"]["op"] != "selection":
-        return None
+    """Upstream's measured scoring + the quoted compiled top-k, in µs, where one is quoted."""
     score, quoted = _median(c, mode, "upstream-score"), _quoted_topk(c, data)
     return score * 1e6 + quoted if score is not None and quoted is not None else None
 
 
 def _upstream_table(cases: list[dict], data: dict) -> list[str]:
     """Ours against vLLM's kernels, case by case (graph replay where measured)."""
-    up = data.get("upstream", {})
-    stand_in = not up.get("compiled_topk", False)
     head = ["op", "case", "mode", "kernel µs", "upstream µs", "upstream / kernel"]
     head += ["upstream-score µs", "quoted compiled top-k µs", "score + quoted top-k µs"]
     rows = []
@@ -161,8 +161,7 @@ def _upstream_table(cases: list[dict], data: dict) -> list[str]:
         if upstream is None:
             continue
         score = _median(c, mode, "upstream-score")
-        quoted = _quoted_topk(c, data) if stand_in and c["spec"]["op"] == "selection" else None
-        est = _upstream_estimate(c, mode, data)
+        quoted, est = _quoted_topk(c, data), _upstream_estimate(c, mode, data)
         ratio = f"{upstream / kernel:.2f}x" if kernel else "–"
         est_ratio = f" ({est / (kernel * 1e6):.2f}x)" if est and kernel else ""
         rows.append([c["spec"]["op"], c["spec"]["name"], mode, _us(kernel), _us(upstream), ratio,
