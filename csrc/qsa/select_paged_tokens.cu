@@ -9,8 +9,9 @@
 //     atomicMax before it arrives) gives the bin of the 512-th largest; every key at or above
 //     that bin goes to a shared buffer at its bin's offset (bins descending), and each key's
 //     place inside its bin is its rank by (key desc, block asc), counted against its bin
-//     mates; the place is the output column. Rows whose bins hold too many equal keys (mass ties) take the generic
-//     path: an exact 3-pass radix select, an ordered gather and a bitonic sort.
+//     mates; the place is the output column. Rows whose bins hold too many equal keys (mass
+//     ties) take the generic path: an exact 3-pass radix select, an ordered gather and a
+//     bitonic sort.
 //
 // NOTES: scores are >= 0 after ReLU, so the IEEE bit pattern of a float score orders like the
 // score itself. key = bits + 1 for a usable block and 0 for an unusable one, so one unsigned
@@ -74,6 +75,7 @@ constexpr int kRankWorkCap = 1 << 18;          // sum over those bins of count^2
 constexpr int kRadixBins = 2048;               // generic path: 11-bit digits (11, 11, 10)
 constexpr int kRadixUnroll = 4;
 constexpr int kStreamUnroll = 8;               // 16-byte key loads in flight per thread
+constexpr int kWideCtas = 4;                   // CTAs per row when rows outnumber the SMs
 
 // NOTES: rows are processed in groups so the score workspace stays <= 64 MiB (one 131072-token
 // row needs 128 KiB; 512 such rows fit). A group never has more rows than counters.
@@ -114,7 +116,6 @@ struct SelectShared {
   int digit_count;
   int chosen;
   int usable;
-  int fill;
   unsigned long long work;
   int is_last;
 };
@@ -550,7 +551,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   // stay in registers for the second pass.
   for (int i = tid; i < kDigitBins; i += kThreads) start[i] = 0;
   if (tid == 0) {
-    sh.fill = 0;
     sh.work = 0;
   }
   const uint32_t top = sh.maxkey >> kDigitShift;
@@ -635,7 +635,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (place < kb) {
         const int64_t j = 0xffffffffu - static_cast<uint32_t>(e);
 #pragma unroll
-        for (int i = 0; i < kRatio; ++i) out[place * kRatio + i] = static_cast<int32_t>(j * kRatio + i);
+        for (int i = 0; i < kRatio; ++i) {
+          out[place * kRatio + i] = static_cast<int32_t>(j * kRatio + i);
+        }
       }
     }
   } else {
@@ -705,12 +707,16 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
   const int64_t chunks = std::max<int64_t>(1, (ncap + kScoreChunk - 1) / kScoreChunk);
   for (int64_t row0 = 0; row0 < p.rows; row0 += g) {
     const int64_t n = std::min<int64_t>(g, p.rows - row0);
-    // NOTES: one wave: the grid is at most one CTA per SM (short CTAs in many
-    // waves each paid the 3-load chain before their keys: v6's R = 64 ran 10 waves), at least
-    // one CTA per row; CTAs loop over the remaining pages (the next page-table entries load
-    // with the current keys). v7k: up to one CTA per page (a row of few pages spreads its
-    // DRAM reads over twice the SMs; the L2-cold P8192 row read 64 KiB per SM).
-    const int64_t per_row = std::max<int64_t>(1, int64_t(sm_count()) / n);
+    // NOTES: up to one row per SM, one wave: the grid is at most one CTA per SM (short
+    // CTAs in many waves each paid the 3-load chain before their keys: v6's R = 64 ran 10
+    // waves), at least one CTA per row; CTAs loop over the remaining pages (the next
+    // page-table entries load with the current keys). v7k: up to one CTA per page (a row of
+    // few pages spreads its DRAM reads over twice the SMs; the L2-cold P8192 row read 64 KiB
+    // per SM). v7n: more rows than SMs take 4 CTAs per row (several waves, so that a row's
+    // select overlaps the other SMs' scoring instead of every SM selecting at once at the
+    // end of a wave).
+    const int64_t sms = sm_count();
+    const int64_t per_row = n > sms ? kWideCtas : std::max<int64_t>(1, sms / n);
     const dim3 grid(static_cast<unsigned>(std::min(chunks, per_row)), static_cast<unsigned>(n));
     if (vec16) {
       select_kernel<true><<<grid, kThreads, 0, stream>>>(p, row0, ncap, keys, p.counters);

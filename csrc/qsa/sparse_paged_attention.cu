@@ -89,6 +89,65 @@ __device__ __forceinline__ float warp_reduce16(const float (&v)[16], int lane) {
   return f + __shfl_xor_sync(0xffffffffu, f, 1);
 }
 
+// Per-warp pieces of both kernels. Lane L covers dims [8 L, 8 L + 8) of every head.
+template <bool kVec16>
+__device__ __forceinline__ void load_q(const void* q_base, int64_t r, int lane,
+                                       uint4 (&qraw)[kHeads]) {
+  const __half* q = static_cast<const __half*>(q_base) + r * (kHeads * kHeadDim);
+#pragma unroll
+  for (int h = 0; h < kHeads; ++h) qraw[h] = load8_pred<kVec16>(q + h * kHeadDim + lane * 8, true);
+}
+
+__device__ __forceinline__ void q_to_float(const uint4 (&qraw)[kHeads], float (&qf)[kHeads][8]) {
+#pragma unroll
+  for (int h = 0; h < kHeads; ++h) half8_to_float(qraw[h], qf[h]);
+}
+
+// This lane's partial dot products of one token's K with the 3 heads.
+__device__ __forceinline__ void partial_dots(const float (&qf)[kHeads][8], const uint4& kraw,
+                                             float (&dot)[kHeads]) {
+  float kf[8];
+  half8_to_float(kraw, kf);
+#pragma unroll
+  for (int h = 0; h < kHeads; ++h) {
+    float d0 = 0.f;
+#pragma unroll
+    for (int d = 0; d < 8; ++d) d0 = fmaf(qf[h][d], kf[d], d0);
+    dot[h] = d0;
+  }
+}
+
+// acc[h] += w[h] * V (this lane's 8 dims).
+__device__ __forceinline__ void accumulate_v(const uint4& vraw, const float (&w)[kHeads],
+                                             float (&acc)[kHeads][8]) {
+  float vf[8];
+  half8_to_float(vraw, vf);
+#pragma unroll
+  for (int h = 0; h < kHeads; ++h) {
+#pragma unroll
+    for (int d = 0; d < 8; ++d) acc[h][d] = fmaf(w[h], vf[d], acc[h][d]);
+  }
+}
+
+// The warp's unnormalised outputs and its max and sum per head, into shared memory.
+__device__ __forceinline__ void publish_warp(const float (&acc)[kHeads][8],
+                                             const float (&m)[kHeads], const float (&l)[kHeads],
+                                             float* acc_row, float* m_row, float* l_row,
+                                             int lane) {
+#pragma unroll
+  for (int h = 0; h < kHeads; ++h) {
+#pragma unroll
+    for (int d = 0; d < 8; d += 4) {
+      *reinterpret_cast<float4*>(&acc_row[h * kHeadDim + lane * 8 + d]) =
+          make_float4(acc[h][d], acc[h][d + 1], acc[h][d + 2], acc[h][d + 3]);
+    }
+    if (lane == 0) {
+      m_row[h] = m[h];
+      l_row[h] = l[h];
+    }
+  }
+}
+
 struct AttnShared {
   int32_t slots[kSlotCap];             // resolved cache slots (phys * 512 + i % 512)
   int warp_count[kWarps];
@@ -109,8 +168,11 @@ __device__ __forceinline__ void cluster_wait_acquire() {
 }
 
 // grid (R, splits), clusters of `csize` CTAs along y (csize = 1 when splits == 1).
-template <bool kVec16>
-__global__ void __launch_bounds__(kThreads, 2)
+// kDeep: a grid of at most one CTA per SM; each warp has two passes in flight (the next
+// pass's K/V loads go out before this pass's compute), in the registers that a second
+// resident CTA would otherwise hold.
+template <bool kVec16, bool kDeep>
+__global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
     attention_kernel(AttentionParams p, int splits, int csize, float* __restrict__ parts) {
   __shared__ AttnShared sh;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -120,10 +182,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   // ---- Everything that does not depend on a load is issued first ------------------------
   // q (3 x 16 B per lane), token_to_req and this warp's index columns go out together; the
   // page-table reads follow in one batch; then the K/V of the first pass.
-  const __half* q = static_cast<const __half*>(p.q) + r * kOut;
   uint4 qraw[kHeads];
-#pragma unroll
-  for (int h = 0; h < kHeads; ++h) qraw[h] = load8_pred<kVec16>(q + h * kHeadDim + lane * 8, true);
+  load_q<kVec16>(p.q, r, lane, qraw);
   const int64_t b = ldg32_pred(p.token_to_req + r, true, -1);
 
   const int c_lo = static_cast<int>((int64_t(s) * kWidth) / splits);
@@ -185,8 +245,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   // ---- Online softmax: warp w takes tokens it*40 + w*5 + t --------------------------------
   // Lane covers dims [8 lane, 8 lane + 8) of every head.
   float qf[kHeads][8];
-#pragma unroll
-  for (int h = 0; h < kHeads; ++h) half8_to_float(qraw[h], qf[h]);
+  q_to_float(qraw, qf);
   const float scale_log2 = p.softmax_scale * kLog2e;
   float m[kHeads], l[kHeads], acc[kHeads][8];
 #pragma unroll
@@ -197,16 +256,26 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int d = 0; d < 8; ++d) acc[h][d] = 0.f;
   }
   const __half* kv = static_cast<const __half*>(p.kv);
-  for (int g0 = warp * kTokensPerWarp; g0 < total; g0 += kWarps * kTokensPerWarp) {
-    uint4 kraw[kTokensPerWarp], vraw[kTokensPerWarp];
+  auto issue = [&](int g0, uint4(&kr)[kTokensPerWarp], uint4(&vr)[kTokensPerWarp]) {
     int slot[kTokensPerWarp];
 #pragma unroll
     for (int t = 0; t < kTokensPerWarp; ++t) slot[t] = g0 + t < total ? slot_of(g0 + t) : 0;
 #pragma unroll
     for (int t = 0; t < kTokensPerWarp; ++t) {
       const __half* tok = kv + int64_t(slot[t]) * kTokenHalves + lane * 8;
-      kraw[t] = load8_pred<kVec16>(tok, g0 + t < total);
-      vraw[t] = load8_pred<kVec16>(tok + kHeadDim, g0 + t < total);
+      kr[t] = load8_pred<kVec16>(tok, g0 + t < total);
+      vr[t] = load8_pred<kVec16>(tok + kHeadDim, g0 + t < total);
+    }
+  };
+  constexpr int kPass = kWarps * kTokensPerWarp;
+  uint4 kraw[kTokensPerWarp], vraw[kTokensPerWarp];
+  if (kDeep && warp * kTokensPerWarp < total) issue(warp * kTokensPerWarp, kraw, vraw);
+  for (int g0 = warp * kTokensPerWarp; g0 < total; g0 += kPass) {
+    uint4 knext[kTokensPerWarp], vnext[kTokensPerWarp];
+    if (kDeep) {
+      if (g0 + kPass < total) issue(g0 + kPass, knext, vnext);
+    } else {
+      issue(g0, kraw, vraw);
     }
     // Partial dots of this lane's 8 dims: value v = t * 3 + h (15 of 16; 15 stays 0).
     float part[16];
@@ -214,15 +283,10 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int v = 0; v < 16; ++v) part[v] = 0.f;
 #pragma unroll
     for (int t = 0; t < kTokensPerWarp; ++t) {
-      float kf[8];
-      half8_to_float(kraw[t], kf);
+      float dot[kHeads];
+      partial_dots(qf, kraw[t], dot);
 #pragma unroll
-      for (int h = 0; h < kHeads; ++h) {
-        float d0 = 0.f;
-#pragma unroll
-        for (int d = 0; d < 8; ++d) d0 = fmaf(qf[h][d], kf[d], d0);
-        part[t * kHeads + h] = d0;
-      }
+      for (int h = 0; h < kHeads; ++h) part[t * kHeads + h] = dot[h];
     }
     // NOTES: transposed butterfly: 16 values over 32 lanes in 8+4+2+1+1 = 16 shuffles (15
     // independent warp_sums would take 75, in chains of 5); lane L ends with the full sum of
@@ -253,30 +317,22 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
 #pragma unroll
     for (int t = 0; t < kTokensPerWarp; ++t) {
-      float vf[8];
-      half8_to_float(vraw[t], vf);
+      float w[kHeads];
 #pragma unroll
-      for (int h = 0; h < kHeads; ++h) {
-        const float pt = exp2f(sc[t][h] - m[h]);
+      for (int h = 0; h < kHeads; ++h) w[h] = exp2f(sc[t][h] - m[h]);
+      accumulate_v(vraw[t], w, acc);
+    }
+    if (kDeep) {
 #pragma unroll
-        for (int d = 0; d < 8; ++d) acc[h][d] = fmaf(pt, vf[d], acc[h][d]);
+      for (int t = 0; t < kTokensPerWarp; ++t) {
+        kraw[t] = knext[t];
+        vraw[t] = vnext[t];
       }
     }
   }
 
   // ---- Merge the warps of this CTA (fixed order) -----------------------------------------
-#pragma unroll
-  for (int h = 0; h < kHeads; ++h) {
-#pragma unroll
-    for (int d = 0; d < 8; d += 4) {
-      *reinterpret_cast<float4*>(&sh.acc[warp][h * kHeadDim + lane * 8 + d]) =
-          make_float4(acc[h][d], acc[h][d + 1], acc[h][d + 2], acc[h][d + 3]);
-    }
-    if (lane == 0) {
-      sh.m[warp][h] = m[h];
-      sh.l[warp][h] = l[h];
-    }
-  }
+  publish_warp(acc, m, l, sh.acc[warp], sh.m[warp], sh.l[warp], lane);
   __syncthreads();
   // Thread tid owns outputs o = tid + k*256 (k = head): head k, dim tid.
   float cta_m[kHeads], cta_l[kHeads], cta_acc[kHeads];
@@ -460,10 +516,8 @@ __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
 
   // Level 1: q, token_to_req and the warp's index columns together; level 2: the page-table
   // entries; level 3: every K/V line of the warp.
-  const __half* q = static_cast<const __half*>(p.q) + r * kOut;
   uint4 qraw[kHeads];
-#pragma unroll
-  for (int h = 0; h < kHeads; ++h) qraw[h] = load8_pred<kVec16>(q + h * kHeadDim + lane * 8, true);
+  load_q<kVec16>(p.q, r, lane, qraw);
   const int64_t b = ldg32_pred(p.token_to_req + r, true, -1);
   const int col = s * kCols + warp * kT + lane;
   const bool have = lane < kT && col < kWidth;
@@ -499,23 +553,17 @@ __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
   }
 
   float qf[kHeads][8];
-#pragma unroll
-  for (int h = 0; h < kHeads; ++h) half8_to_float(qraw[h], qf[h]);
+  q_to_float(qraw, qf);
   // value v = j * 3 + h of this lane's 8 dims
   float part[kReduce][16];
 #pragma unroll
   for (int v = 0; v < kReduce * 16; ++v) part[v / 16][v % 16] = 0.f;
 #pragma unroll
   for (int j = 0; j < kT; ++j) {
-    float kf[8];
-    half8_to_float(kraw[j], kf);
+    float dot[kHeads];
+    partial_dots(qf, kraw[j], dot);
 #pragma unroll
-    for (int h = 0; h < kHeads; ++h) {
-      float d0 = 0.f;
-#pragma unroll
-      for (int d = 0; d < 8; ++d) d0 = fmaf(qf[h][d], kf[d], d0);
-      part[(j * kHeads + h) / 16][(j * kHeads + h) % 16] = d0;
-    }
+    for (int h = 0; h < kHeads; ++h) part[(j * kHeads + h) / 16][(j * kHeads + h) % 16] = dot[h];
   }
   float full[kReduce];
 #pragma unroll
@@ -548,29 +596,10 @@ __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
     for (int d = 0; d < 8; ++d) acc[h][d] = 0.f;
   }
 #pragma unroll
-  for (int j = 0; j < kT; ++j) {
-    float vf[8];
-    half8_to_float(vraw[j], vf);
-#pragma unroll
-    for (int h = 0; h < kHeads; ++h) {
-#pragma unroll
-      for (int d = 0; d < 8; ++d) acc[h][d] = fmaf(sc[j][h], vf[d], acc[h][d]);
-    }
-  }
+  for (int j = 0; j < kT; ++j) accumulate_v(vraw[j], sc[j], acc);
 
   // ---- The CTA's partial: its warps merged in warp order ----------------------------------
-#pragma unroll
-  for (int h = 0; h < kHeads; ++h) {
-#pragma unroll
-    for (int d = 0; d < 8; d += 4) {
-      *reinterpret_cast<float4*>(&sh.acc[warp][h * kHeadDim + lane * 8 + d]) =
-          make_float4(acc[h][d], acc[h][d + 1], acc[h][d + 2], acc[h][d + 3]);
-    }
-    if (lane == 0) {
-      sh.m[warp][h] = m[h];
-      sh.l[warp][h] = l[h];
-    }
-  }
+  publish_warp(acc, m, l, sh.acc[warp], sh.m[warp], sh.l[warp], lane);
   __syncthreads();
   if (tid < kHeads) {
     const int h = tid;
@@ -730,8 +759,10 @@ Path choose_path(int64_t rows, int requested, int device) {
 template <int kW, int kT>
 cudaError_t launch_small(const cudaLaunchConfig_t& cfg, bool vec16, const AttentionParams& p,
                          int splits, int mergers, float* parts) {
-  return vec16 ? cudaLaunchKernelEx(&cfg, attention_small_kernel<true, kW, kT>, p, splits, mergers, parts)
-               : cudaLaunchKernelEx(&cfg, attention_small_kernel<false, kW, kT>, p, splits, mergers, parts);
+  return vec16 ? cudaLaunchKernelEx(&cfg, attention_small_kernel<true, kW, kT>, p, splits,
+                                    mergers, parts)
+               : cudaLaunchKernelEx(&cfg, attention_small_kernel<false, kW, kT>, p, splits,
+                                    mergers, parts);
 }
 
 
@@ -759,7 +790,9 @@ int path_splits(Path path, int64_t rows, int requested, int device) {
 }
 
 size_t path_workspace(Path path, int64_t rows, int splits) {
-  if (path != Path::kCluster) return static_cast<size_t>(rows) * splits * kPartStride * sizeof(float);
+  if (path != Path::kCluster) {
+    return static_cast<size_t>(rows) * splits * kPartStride * sizeof(float);
+  }
   if (splits <= kMaxCluster) return 0;
   return static_cast<size_t>(rows) * (splits / kMaxCluster) * kPartStride * sizeof(float);
 }
@@ -832,10 +865,15 @@ cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream
     cfg.attrs = attr;
     cfg.numAttrs = 1;
   }
-  if (vec16) {
-    err = cudaLaunchKernelEx(&cfg, attention_kernel<true>, p, splits, csize, parts);
+  // NOTES: at most one CTA per SM (the split rule's grids from 9 to 132 rows): the deep
+  // variant (NOTES-kernels.md, v9a).
+  const bool deep = p.rows * splits <= sm_count(device);
+  if (deep) {
+    err = vec16 ? cudaLaunchKernelEx(&cfg, attention_kernel<true, true>, p, splits, csize, parts)
+                : cudaLaunchKernelEx(&cfg, attention_kernel<false, true>, p, splits, csize, parts);
   } else {
-    err = cudaLaunchKernelEx(&cfg, attention_kernel<false>, p, splits, csize, parts);
+    err = vec16 ? cudaLaunchKernelEx(&cfg, attention_kernel<true, false>, p, splits, csize, parts)
+                : cudaLaunchKernelEx(&cfg, attention_kernel<false, false>, p, splits, csize, parts);
   }
   if (err != cudaSuccess) return err;
   return cudaGetLastError();

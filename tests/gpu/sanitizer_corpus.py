@@ -46,6 +46,12 @@ def select_corpus():
     yield testing.random_select_case(
         4, 2, 64, 96, device=DEVICE, seed=21, integer=True, bad_values=False, name="long rows"
     )
+    # rows of more than 16,384 blocks (32,768, 21,504 and 43,008): the last CTA streams them
+    yield testing.random_select_case(
+        3, 2, 336, 340, device=DEVICE, seed=22, integer=True, bad_values=False,
+        token_to_req=[0, 1, 1], query_positions=[131071, 86015, 10**9],
+        sequence_lengths=[131072, 336 * KV_PAGE], name="streamed rows",
+    )  # fmt: skip
 
 
 def attention_corpus():
@@ -62,7 +68,8 @@ def attention_corpus():
     yield testing.random_attention_case(2, 0, 3, 3, device=DEVICE, seed=4, name="B=0")
     yield testing.random_attention_case(0, 1, 3, 3, device=DEVICE, seed=5, name="R=0")
     yield testing.random_attention_case(2, 2, 3, 5, device=DEVICE, seed=6, lead=3, name="unaligned")
-    for R in (1, 2, 7, 8, 300):  # the decode-size kernel's two variants, the cluster kernel
+    # the decode-size kernel's two variants, the cluster kernel deep (64) and not (300)
+    for R in (1, 2, 7, 8, 64, 300):
         yield testing.random_attention_case(R, 3, 6, 9, device=DEVICE, seed=R)
     yield testing.random_attention_case(
         6, 3, 6, 9, device=DEVICE, seed=7, lead=3, name="unaligned R=6"

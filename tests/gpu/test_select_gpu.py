@@ -110,8 +110,8 @@ def test_context_131072(cuda_backend, select_path, R):
 
 
 def test_context_163840_streamed(cuda_backend, select_path):
-    """40,960 blocks: more than the last CTA stages in shared memory (32,768), so its passes
-    stream the keys through L2."""
+    """40,960 blocks: three of the last CTA's streamed tiles (16,384 blocks each), the last
+    one partial."""
     case = _one_request(1, 163840, [163839], seed=12, name="ctx160k")
     out = run_cuda(case)
     assert_equal_reference(case, out)
