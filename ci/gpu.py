@@ -52,7 +52,7 @@ SANITIZER_CORPUS = ROOT / "tests" / "gpu" / "sanitizer_corpus.py"
 
 def sanitizer(env: Env, pyenv: dict[str, str], cwd: Path, tool: str) -> None:
     """compute-sanitizer memcheck over every kernel, racecheck over the kernels that share
-    memory between warps (selection, decode-size attention), on the bad-input corpus; exit
+    memory between warps (selection, both attention kernels), on the bad-input corpus; exit
     code 99 when the tool reports an error."""
     if shutil.which("compute-sanitizer") is None:
         raise Failed("compute-sanitizer is not on PATH")
@@ -61,7 +61,7 @@ def sanitizer(env: Env, pyenv: dict[str, str], cwd: Path, tool: str) -> None:
         "memcheck": [("--tool", "memcheck", "--kernel-name", "kns=qsa", "all")],
         "racecheck": [
             (*racecheck, "kns=select_kernel", "select"),
-            (*racecheck, "kns=attention_small_kernel", "attention"),
+            (*racecheck, "kns=attention", "attention"),  # both attention kernels
         ],
     }[tool]
     for *flags, mode in runs:
