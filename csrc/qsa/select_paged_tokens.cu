@@ -76,6 +76,19 @@ constexpr int kRadixBins = 2048;               // generic path: 11-bit digits (1
 constexpr int kRadixUnroll = 4;
 constexpr int kStreamUnroll = 8;               // 16-byte key loads in flight per thread
 constexpr int kWideCtas = 4;                   // CTAs per row when rows outnumber the SMs
+// NOTES (v7p): in a launch whose table can hold more than kTile blocks (a streamed row) and
+// whose grid is resident at once (cooperative, at most kDistRows rows), every CTA of a row
+// takes part in the select: once all have scored (the row's largest key known), each
+// histograms its own keys into the row's global histogram; once all have added theirs, each
+// finds the threshold bin from it and pushes its own keys at or above it into the row's
+// global buffer at its bin's place; the last to arrive ranks the buffer and writes the row.
+// A single CTA passing over a streamed row's keys twice took ~4.2 us per pass at 32K blocks.
+// Only where each page group of a CTA owns at most kDistPages pages: its own keys are read
+// back one page per iteration (R = 1 at 128K, ~1 page per group: 15.25 -> 13.5 us; R = 8,
+// 8 pages per group: 30.0 -> 32.5 us).
+constexpr int kDistRows = 256;
+constexpr int64_t kDistPages = 2;
+constexpr int kDistWords = 2 * kDigitBins + 2 * kBufCap;  // histogram, cursors, buffer
 
 // NOTES: rows are processed in groups so the score workspace stays <= 64 MiB (one 131072-token
 // row needs 128 KiB; 512 such rows fit). A group never has more rows than counters.
@@ -396,7 +409,7 @@ __device__ int select_generic(const uint32_t* K, int nbv, SelectShared& sh) {
 template <bool kVec16>
 __global__ void __launch_bounds__(kThreads, 1)
     select_kernel(SelectParams p, int64_t row0, int64_t ncap, uint32_t* __restrict__ keys,
-                  int32_t* __restrict__ counters) {
+                  int32_t* __restrict__ counters, uint32_t* __restrict__ dist) {
   __shared__ SelectShared sh;
   const int64_t rl = blockIdx.y;
   const int64_t r = row0 + rl;
@@ -522,6 +535,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ---- Arrival: the row's last CTA selects ----------------------------------------------
+  // A distributed row (v7p) counts three arrivals per CTA on its counter: scored, histogram
+  // added, candidates pushed; the last of the third resets it.
+  const bool dist_row = dist != nullptr && b_ok;  // uniform over the row's CTAs
+  const int ctas = int(gridDim.x);
+  uint32_t* gh = dist_row ? dist + rl * kDistWords : nullptr;  // the row's histogram
+  uint32_t* gc = gh + kDigitBins;                              // its bins' next free slots
+  unsigned long long* gb = reinterpret_cast<unsigned long long*>(gc + kDigitBins);
+  if (dist_row && blockIdx.x == 0) {  // before this CTA's arrival: no CTA adds before it
+    for (int i = tid; i < 2 * kDigitBins; i += kThreads) gh[i] = 0u;
+  }
   kmax = __reduce_max_sync(0xffffffffu, kmax);
   if (lane == 0) sh.scan[tid >> 5] = static_cast<int>(kmax);  // keys < 2^31
   __syncthreads();
@@ -531,12 +554,20 @@ __global__ void __launch_bounds__(kThreads, 1)
         0xffffffffu, lane < kWarps ? static_cast<uint32_t>(sh.scan[lane]) : 0u);
     if (tid == 0) {
       if (m) atomicMax(maxkey, m);  // ordered before the arrival's release
-      sh.is_last = atomic_add_acq_rel_gpu(counters + rl, 1) == int(gridDim.x) - 1;
-      if (sh.is_last) sh.maxkey = atomicExch(maxkey, 0u);  // after the acquire: every CTA's
+      const int before = atomic_add_acq_rel_gpu(counters + rl, 1);
+      if (dist_row) {
+        while (detail::ld_acquire_gpu(counters + rl) < ctas) {
+        }
+        sh.maxkey = static_cast<uint32_t>(
+            detail::ld_acquire_gpu(reinterpret_cast<const int32_t*>(maxkey)));
+      } else {
+        sh.is_last = before == ctas - 1;
+        if (sh.is_last) sh.maxkey = atomicExch(maxkey, 0u);  // after the acquire: every CTA's
+      }
     }
   }
   __syncthreads();
-  if (!sh.is_last) return;
+  if (!dist_row && !sh.is_last) return;
   int32_t* out = p.out + r * p.out_stride;
   if (!b_ok) {
     for (int c = tid; c < kWidth; c += kThreads) out[c] = -1;
@@ -554,15 +585,41 @@ __global__ void __launch_bounds__(kThreads, 1)
     sh.work = 0;
   }
   const uint32_t top = sh.maxkey >> kDigitShift;
-  const bool resident = nv <= kTile;
+  const bool resident = !dist_row && nv <= kTile;
   uint4 tile[kStreamUnroll];
   if (resident) load_tile<true>(K, nv, 0, tile);
   __syncthreads();
-  // NOTES: plain shared atomics (fire and forget): a warp vote per key to aggregate mass
-  // ties cost ~40 cycles of dependent latency per key on the row's critical path.
-  for_each_key(K, nv, resident, tile, [&](int, uint32_t key) {
-    atomicAdd(&start[first_digit(key, top)], 1u);
-  });
+  // This CTA's own blocks (a distributed row): its groups' pages, thread gtid < 128 one block.
+  auto for_own_key = [&](auto&& f) {
+    for (int64_t j0 = first; j0 < nbv; j0 += stride) {
+      const int64_t j = j0 + gtid;
+      if (gtid < kScoreChunk && j < nbv) {
+        const uint32_t key = __ldcg(K + j);
+        if (key != 0) f(static_cast<int>(j), key);
+      }
+    }
+  };
+  if (dist_row) {
+    for_own_key([&](int, uint32_t key) { atomicAdd(&start[first_digit(key, top)], 1u); });
+    __syncthreads();
+    for (int i = tid; i < kDigitBins; i += kThreads) {
+      if (start[i]) atomicAdd(gh + i, start[i]);
+    }
+    __syncthreads();
+    if (tid == 0) {
+      detail::red_add_release_gpu(counters + rl, 1);
+      while (detail::ld_acquire_gpu(counters + rl) < 2 * ctas) {
+      }
+    }
+    __syncthreads();
+    for (int i = tid; i < kDigitBins; i += kThreads) start[i] = __ldcg(gh + i);
+  } else {
+    // NOTES: plain shared atomics (fire and forget): a warp vote per key to aggregate mass
+    // ties cost ~40 cycles of dependent latency per key on the row's critical path.
+    for_each_key(K, nv, resident, tile, [&](int, uint32_t key) {
+      atomicAdd(&start[first_digit(key, top)], 1u);
+    });
+  }
   __syncthreads();
   // Thread t owns bins 4095 - 8 t - i (i < 8), scanned from the top.
   int cnt[kBinsPerThread];
@@ -599,7 +656,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t bin = kDigitBins - 1 - kBinsPerThread * tid - i;
       if (bin >= d1) {
         start[bin] = run;
-        cursor[bin] = run;
+        cursor[bin] = dist_row ? run + cnt[i] : run;  // a distributed row's buffer is filled
         w += static_cast<unsigned long long>(cnt[i]) * static_cast<unsigned long long>(cnt[i]);
       }
       run += cnt[i];
@@ -610,18 +667,37 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  if (!p.generic_path && total <= kBufCap && sh.work <= kRankWorkCap) {
+  const bool fast = !p.generic_path && total <= kBufCap && sh.work <= kRankWorkCap;
+  // (key, ~j) descending = score descending, lower block first on ties.
+  auto entry = [](int j, uint32_t key) {
+    return (static_cast<unsigned long long>(key) << 32) |
+           (0xffffffffu - static_cast<uint32_t>(j));
+  };
+  if (dist_row) {
+    // Every CTA computed the same bins from the same histogram: push, then the last ranks.
+    if (fast) {
+      for_own_key([&](int j, uint32_t key) {
+        const uint32_t d = first_digit(key, top);
+        if (d >= d1) gb[start[d] + atomicAdd(gc + d, 1u)] = entry(j, key);
+      });
+    }
+    __syncthreads();
+    if (tid == 0) sh.is_last = atomic_add_acq_rel_gpu(counters + rl, 1) == 3 * ctas - 1;
+    __syncthreads();
+    if (!sh.is_last) return;
+    if (fast) {
+      for (int i = tid; i < total; i += kThreads) sh.u.f.buf[i] = __ldcg(gb + i);
+    }
+  }
+  if (fast) {
     // Fast path: every key at or above the threshold bin, grouped by bin.
     unsigned long long* buf = sh.u.f.buf;
-    for_each_key(K, nv, resident, tile, [&](int j, uint32_t key) {
-      const uint32_t d = first_digit(key, top);
-      if (d >= d1) {
-        const uint32_t slot = atomicAdd(&cursor[d], 1u);
-        // (key, ~j) descending = score descending, lower block first on ties.
-        buf[slot] = (static_cast<unsigned long long>(key) << 32) |
-                    (0xffffffffu - static_cast<uint32_t>(j));
-      }
-    });
+    if (!dist_row) {
+      for_each_key(K, nv, resident, tile, [&](int j, uint32_t key) {
+        const uint32_t d = first_digit(key, top);
+        if (d >= d1) buf[atomicAdd(&cursor[d], 1u)] = entry(j, key);
+      });
+    }
     __syncthreads();
     // A key's place = its bin's first slot + the bin mates above it; places < kb are output.
     for (int s = tid; s < total; s += kThreads) {
@@ -657,7 +733,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int c = expanded + tid; c < kWidth; c += kThreads) {
     out[c] = c < expanded + tail ? static_cast<int32_t>(tail_first + (c - expanded)) : -1;
   }
-  if (tid == 0) counters[rl] = 0;  // ready for the next call (and graph replay)
+  if (tid == 0) {  // ready for the next call (and graph replay)
+    counters[rl] = 0;
+    if (dist_row) *maxkey = 0u;  // every CTA of the row read it before its second arrival
+  }
 }
 
 int64_t candidate_blocks(int64_t table_width) { return table_width * kCkPage; }
@@ -668,6 +747,14 @@ int64_t group_rows(int64_t rows, int64_t table_width) {
   g = std::max<int64_t>(g, 1);
   g = std::min<int64_t>(g, kCounterSlots);
   return std::min<int64_t>(g, std::max<int64_t>(rows, 1));
+}
+
+cudaError_t launch_select(const cudaLaunchConfig_t& cfg, bool vec16, const SelectParams& p,
+                          int64_t row0, int64_t ncap, uint32_t* keys, uint32_t* dist) {
+  return vec16 ? cudaLaunchKernelEx(&cfg, select_kernel<true>, p, row0, ncap, keys, p.counters,
+                                    dist)
+               : cudaLaunchKernelEx(&cfg, select_kernel<false>, p, row0, ncap, keys, p.counters,
+                                    dist);
 }
 
 int sm_count() {
@@ -681,10 +768,22 @@ int sm_count() {
 
 using namespace select_impl;
 
+// Rows of a group that can take the distributed select (v7p): 0 when no row can be streamed.
+int64_t dist_rows(int64_t rows, int64_t table_width) {
+  if (candidate_blocks(table_width) <= kTile) return 0;
+  return std::min<int64_t>(group_rows(rows, table_width), kDistRows);
+}
+
+size_t key_words(int64_t rows, int64_t table_width) {
+  return static_cast<size_t>(group_rows(rows, table_width)) *
+         static_cast<size_t>(candidate_blocks(table_width));
+}
+
 size_t select_workspace_bytes(int64_t rows, int64_t table_width) {
   if (rows <= 0 || table_width <= 0) return 0;
-  return static_cast<size_t>(group_rows(rows, table_width)) *
-         static_cast<size_t>(candidate_blocks(table_width)) * sizeof(uint32_t);
+  const size_t words = key_words(rows, table_width) +
+                       static_cast<size_t>(dist_rows(rows, table_width)) * kDistWords;
+  return words * sizeof(uint32_t);
 }
 
 int64_t select_counter_slots() { return 2 * kCounterSlots; }  // arrivals, then largest keys
@@ -717,13 +816,33 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     // end of a wave).
     const int64_t sms = sm_count();
     const int64_t per_row = n > sms ? kWideCtas : std::max<int64_t>(1, sms / n);
-    const dim3 grid(static_cast<unsigned>(std::min(chunks, per_row)), static_cast<unsigned>(n));
-    if (vec16) {
-      select_kernel<true><<<grid, kThreads, 0, stream>>>(p, row0, ncap, keys, p.counters);
-    } else {
-      select_kernel<false><<<grid, kThreads, 0, stream>>>(p, row0, ncap, keys, p.counters);
+    const int64_t ctas = std::min(chunks, per_row);
+    const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(n));
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kThreads);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    // NOTES: the distributed select waits for the row's other CTAs: the grid must be resident
+    // at once (cooperative; refused where it is not, and the call then runs the last-CTA
+    // select). Rows at most one per SM make at most one CTA per SM.
+    uint32_t* dist = nullptr;
+    if (n <= sms && n <= dist_rows(p.rows, p.table_width) &&
+        chunks <= kDistPages * kGroups * ctas) {
+      dist = keys + key_words(p.rows, p.table_width);
+      attr[0].id = cudaLaunchAttributeCooperative;
+      attr[0].val.cooperative = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
     }
-    const cudaError_t err = cudaGetLastError();
+    cudaError_t err = launch_select(cfg, vec16, p, row0, ncap, keys, dist);
+    if (err == cudaErrorCooperativeLaunchTooLarge) {
+      (void)cudaGetLastError();
+      cfg.attrs = nullptr;
+      cfg.numAttrs = 0;
+      err = launch_select(cfg, vec16, p, row0, ncap, keys, nullptr);
+    }
+    if (err == cudaSuccess) err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;

@@ -52,6 +52,12 @@ def select_corpus():
         token_to_req=[0, 1, 1], query_positions=[131071, 86015, 10**9],
         sequence_lengths=[131072, 336 * KV_PAGE], name="streamed rows",
     )  # fmt: skip
+    # one such row: every CTA of it takes part in the select (the distributed select)
+    yield testing.random_select_case(
+        1, 1, 336, 340, device=DEVICE, seed=23, integer=True, bad_values=False,
+        token_to_req=[0], query_positions=[336 * KV_PAGE - 1],
+        sequence_lengths=[336 * KV_PAGE], name="distributed row",
+    )  # fmt: skip
 
 
 def attention_corpus():
