@@ -112,8 +112,8 @@ def test_context_131072(cuda_backend, select_path, R):
 def test_context_163840_streamed(cuda_backend, select_path):
     """40,960 blocks in one row: the distributed select (every CTA of the row takes part);
     under QSA_SELECT_PATH=generic its last CTA's radix passes. The last-CTA path over streamed
-    tiles (16,384 blocks each, the last one partial) is test_context_131072 at R = 3 and the
-    sanitizer corpus's "streamed rows"."""
+    tiles of 16,384 blocks is test_context_131072 at R = 3 (two whole tiles) and the
+    sanitizer corpus's "streamed rows" (partial last tiles)."""
     case = _one_request(1, 163840, [163839], seed=12, name="ctx160k")
     out = run_cuda(case)
     assert_equal_reference(case, out)
