@@ -70,6 +70,7 @@ static_assert(kScoreChunk == kCkPage, "a group iteration scores exactly one page
 constexpr int kDigitShift = 15;
 constexpr int kDigitBins = 4096;
 constexpr int kBinsPerThread = kDigitBins / kThreads;
+static_assert(kBinsPerThread == 8, "a thread's bins are two 16-byte words of shared memory");
 constexpr int kBufCap = 1024;                  // keys at or above the threshold bin (fast path)
 constexpr int kRankWorkCap = 1 << 18;          // sum over those bins of count^2 (fast path)
 constexpr int kRadixBins = 2048;               // generic path: 11-bit digits (11, 11, 10)
@@ -105,8 +106,8 @@ __device__ __forceinline__ uint32_t first_digit(uint32_t key, uint32_t top) {
 }
 
 struct FastShared {
-  uint32_t start[kDigitBins];      // histogram, then each bin's first buffer slot
-  uint32_t cursor[kDigitBins];     // each bin's next free slot, then its end
+  alignas(16) uint32_t start[kDigitBins];   // histogram, then each bin's first buffer slot
+  alignas(16) uint32_t cursor[kDigitBins];  // each bin's next free slot, then its end
   unsigned long long buf[kBufCap];
 };
 struct GenericShared {
@@ -545,6 +546,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (dist_row && blockIdx.x == 0) {  // before this CTA's arrival: no CTA adds before it
     for (int i = tid; i < 2 * kDigitBins; i += kThreads) gh[i] = 0u;
   }
+  // NOTES (v7r): only a launch whose rows can be streamed folds its largest key into the
+  // row's slot; a resident row's last CTA takes it from the tile it holds (one L2 round trip,
+  // the atomicExch after the arrival, fewer on the row's critical path).
+  const bool streamed = ncap > kTile;  // uniform over the launch
   kmax = __reduce_max_sync(0xffffffffu, kmax);
   if (lane == 0) sh.scan[tid >> 5] = static_cast<int>(kmax);  // keys < 2^31
   __syncthreads();
@@ -553,7 +558,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t m = __reduce_max_sync(
         0xffffffffu, lane < kWarps ? static_cast<uint32_t>(sh.scan[lane]) : 0u);
     if (tid == 0) {
-      if (m) atomicMax(maxkey, m);  // ordered before the arrival's release
+      if (m && streamed) atomicMax(maxkey, m);  // ordered before the arrival's release
       const int before = atomic_add_acq_rel_gpu(counters + rl, 1);
       if (dist_row) {
         while (detail::ld_acquire_gpu(counters + rl) < ctas) {
@@ -562,7 +567,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             detail::ld_acquire_gpu(reinterpret_cast<const int32_t*>(maxkey)));
       } else {
         sh.is_last = before == ctas - 1;
-        if (sh.is_last) sh.maxkey = atomicExch(maxkey, 0u);  // after the acquire: every CTA's
+        if (sh.is_last && streamed) sh.maxkey = atomicExch(maxkey, 0u);  // after the acquire
       }
     }
   }
@@ -584,11 +589,26 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     sh.work = 0;
   }
-  const uint32_t top = sh.maxkey >> kDigitShift;
-  const bool resident = !dist_row && nv <= kTile;
+  const bool resident = !dist_row && nv <= kTile;  // always, in a launch without streaming
   uint4 tile[kStreamUnroll];
   if (resident) load_tile<true>(K, nv, 0, tile);
+  if (!streamed) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int u = 0; u < kStreamUnroll; ++u) m = max(max(tile[u].x, tile[u].y), max(tile[u].z, m));
+#pragma unroll
+    for (int u = 0; u < kStreamUnroll; ++u) m = max(tile[u].w, m);
+    m = __reduce_max_sync(0xffffffffu, m);
+    if (lane == 0) sh.scan[tid >> 5] = static_cast<int>(m);  // read before the next scan
+  }
   __syncthreads();
+  uint32_t top = sh.maxkey;
+  if (!streamed) {
+    top = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) top = max(top, static_cast<uint32_t>(sh.scan[w]));
+  }
+  top >>= kDigitShift;
   // This CTA's own blocks (a distributed row): its groups' pages, thread gtid < 128 one block.
   auto for_own_key = [&](auto&& f) {
     for (int64_t j0 = first; j0 < nbv; j0 += stride) {
@@ -622,13 +642,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   // Thread t owns bins 4095 - 8 t - i (i < 8), scanned from the top.
+  // NOTES (v7r): its 8 bins are two 16-byte loads; 8 scalar loads at a stride of 8 words
+  // were 8-way bank conflicts (64 wavefronts per warp, ~1,000 cycles of the CTA's 16 warps).
+  const int bin0 = kDigitBins - kBinsPerThread * (tid + 1);  // its lowest bin
   int cnt[kBinsPerThread];
   int sum = 0;
+  {
+    const uint4 lo4 = *reinterpret_cast<const uint4*>(start + bin0);
+    const uint4 hi4 = *reinterpret_cast<const uint4*>(start + bin0 + 4);
 #pragma unroll
-  for (int i = 0; i < kBinsPerThread; ++i) {
-    cnt[i] = int(start[kDigitBins - 1 - kBinsPerThread * tid - i]);
-    sum += cnt[i];
+    for (int i = 0; i < 4; ++i) {
+      cnt[i] = int(word(hi4, 3 - i));  // bin 4095 - 8 tid - i
+      cnt[4 + i] = int(word(lo4, 3 - i));
+    }
   }
+#pragma unroll
+  for (int i = 0; i < kBinsPerThread; ++i) sum += cnt[i];
   const int incl = block_inclusive_scan(sum, sh.scan);
   if (tid == kThreads - 1) sh.usable = incl;
   int run = incl - sum;
@@ -649,17 +678,26 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int total = all_win ? usable : sh.above + sh.digit_count;  // keys with digit >= d1
   {
     // Each bin's first slot (bins descending), and the rank work: sum of count^2.
+    // The thread's bins below d1 are written too (16-byte stores) and never read.
     unsigned long long w = 0;
-    run = incl - sum;
+    if (static_cast<uint32_t>(bin0 + kBinsPerThread - 1) >= d1) {
+      uint32_t st[kBinsPerThread], cu[kBinsPerThread];
+      run = incl - sum;
 #pragma unroll
-    for (int i = 0; i < kBinsPerThread; ++i) {
-      const uint32_t bin = kDigitBins - 1 - kBinsPerThread * tid - i;
-      if (bin >= d1) {
-        start[bin] = run;
-        cursor[bin] = dist_row ? run + cnt[i] : run;  // a distributed row's buffer is filled
-        w += static_cast<unsigned long long>(cnt[i]) * static_cast<unsigned long long>(cnt[i]);
+      for (int i = 0; i < kBinsPerThread; ++i) {
+        const uint32_t bin = kDigitBins - 1 - kBinsPerThread * tid - i;
+        st[i] = run;
+        cu[i] = dist_row ? run + cnt[i] : run;  // a distributed row's buffer is filled
+        if (bin >= d1) {
+          w += static_cast<unsigned long long>(cnt[i]) * static_cast<unsigned long long>(cnt[i]);
+        }
+        run += cnt[i];
       }
-      run += cnt[i];
+      // st[i] is bin 4095 - 8 tid - i = bin0 + 7 - i
+      *reinterpret_cast<uint4*>(start + bin0) = make_uint4(st[7], st[6], st[5], st[4]);
+      *reinterpret_cast<uint4*>(start + bin0 + 4) = make_uint4(st[3], st[2], st[1], st[0]);
+      *reinterpret_cast<uint4*>(cursor + bin0) = make_uint4(cu[7], cu[6], cu[5], cu[4]);
+      *reinterpret_cast<uint4*>(cursor + bin0 + 4) = make_uint4(cu[3], cu[2], cu[1], cu[0]);
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) w += __shfl_xor_sync(0xffffffffu, w, o);
