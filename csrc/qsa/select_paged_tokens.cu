@@ -441,9 +441,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t len = detail::ldg32_pred(p.sequence_lengths + (b_ok ? b : 0), b_ok, 0);
   // (first < ncap: the table has this page; with M = 0 there is no entry to read)
   const int64_t stride = int64_t(gridDim.x) * kGroups * kScoreChunk;
-  int64_t phys = detail::ldg32_pred(table + first / kCkPage, b_ok && first < ncap, -1);
-  int64_t phys_next =
-      detail::ldg32_pred(table + (first + stride) / kCkPage, b_ok && first + stride < ncap, -1);
+  // The pages of the group's first four chunks (the table's entries: the row's length is not
+  // known yet).
+  auto page_first = [&](int64_t j) {
+    return detail::ldg32_pred(table + (j < ncap ? j / kCkPage : 0), b_ok && j < ncap, -1);
+  };
+  int64_t ph0 = page_first(first), ph1 = page_first(first + stride);
+  int64_t ph2 = page_first(first + 2 * stride), ph3 = page_first(first + 3 * stride);
   int64_t n = pos1 < len ? pos1 : len;
   n = n > 0 ? n : 0;
   const int64_t nb = n / kRatio;
@@ -468,71 +472,77 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
   auto usable_page = [&](int64_t ph) { return ph >= 0 && ph < p.pages; };
-  // NOTES (v7j): with 16-byte loads, two chunks are in flight per group: the next chunk's key
-  // loads (and the page-table entry of the one after) go out before this chunk's mma. The
-  // 2-byte path keeps one (its loads need twice the registers).
+  // NOTES (v7j, v7t): with 16-byte loads, two chunks are in flight per group: the next chunk's
+  // key loads go out before this chunk's mma. The loop is unrolled by two with the buffers'
+  // roles swapped (x, y), because a loop-carried copy of the next chunk's registers made the
+  // copy wait for its loads before the chunk after it could be issued (ncu, R = 256: half of
+  // the warp samples there), i.e. one chunk in flight during every wait. The page-table
+  // entries are loaded four chunks ahead. The 2-byte path keeps one chunk (its loads need
+  // twice the registers).
   constexpr bool kPipe = kVec16;
-  uint4 ca[4], cb[4];
-  if (kPipe && first < nbv && usable_page(phys)) issue(first, phys, ca, cb);
+  uint4 xa[4], xb[4], ya[4], yb[4];
   uint32_t kmax = 0;  // the largest key this thread stored
-  for (int64_t j0 = first; j0 < nbv; j0 += stride) {
+  // Chunk j0 on page ph from (ca, cb); the next chunk (page ph_next) issued into (na, nb4).
+  auto score_step = [&](int64_t j0, int64_t ph, int64_t ph_next, uint4(&ca)[4], uint4(&cb)[4],
+                        uint4(&na)[4], uint4(&nb4)[4]) {
     const int64_t j1 = j0 + stride;
-    const bool more = j1 + stride < nbv;
-    const int64_t phys_after =
-        detail::ldg32_pred(table + (more ? (j1 + stride) / kCkPage : 0), more, -1);
-    uint4 na[4], nb4[4];
-    if (kPipe && j1 < nbv && usable_page(phys_next)) issue(j1, phys_next, na, nb4);
-    if (!usable_page(phys)) {
+    if (kPipe && j1 < nbv && usable_page(ph_next)) issue(j1, ph_next, na, nb4);
+    if (!usable_page(ph)) {
       // Never read: an unusable block gets key 0 and can never be chosen.
       for (int i = gtid; i < kScoreChunk; i += kGroupThreads) {
         if (j0 + i < nbv) row_keys[j0 + i] = 0u;
       }
-    } else {
-      if (!kPipe) issue(j0, phys, ca, cb);
-      // NOTES: the first mma is made to depend on every load of this chunk (`zero` is 0 at
-      // run time, unknown to the compiler), so that ptxas issues all 8 loads before it.
-      uint32_t later = cb[0].x;
+      return;
+    }
+    if (!kPipe) issue(j0, ph, ca, cb);
+    // NOTES: the first mma is made to depend on every load of this chunk (`zero` is 0 at
+    // run time, unknown to the compiler), so that ptxas issues all 8 loads before it.
+    uint32_t later = cb[0].x;
 #pragma unroll
-      for (int s = 1; s < 4; ++s) later |= ca[s].x | cb[s].x;
-      ca[0].x |= later & zero;
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s = 1; s < 4; ++s) later |= ca[s].x | cb[s].x;
+    ca[0].x |= later & zero;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
+    for (int s = 0; s < 4; ++s) {
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          mma_16816(acc, word(ca[s], 2 * u), word(cb[s], 2 * u), word(ca[s], 2 * u + 1),
-                    word(cb[s], 2 * u + 1), word(qv[s], 2 * u), word(qv[s], 2 * u + 1));
-        }
-      }
-      // acc: (block g, heads 2t, 2t+1), (block g + 8, heads 2t, 2t+1); heads >= 4 are zero.
-      // ReLU also maps -0.0 to +0.0.
-      float lo = (acc[0] > 0.f ? acc[0] : 0.f) + (acc[1] > 0.f ? acc[1] : 0.f);
-      float hi = (acc[2] > 0.f ? acc[2] : 0.f) + (acc[3] > 0.f ? acc[3] : 0.f);
-      lo += __shfl_xor_sync(0xffffffffu, lo, 1);
-      hi += __shfl_xor_sync(0xffffffffu, hi, 1);
-      const int64_t jw = j0 + 16 * gwarp;
-      if (t == 0) {
-        const uint32_t klo = __float_as_uint(lo * kScoreScale) + 1u;
-        const uint32_t khi = __float_as_uint(hi * kScoreScale) + 1u;
-        if (jw + g < nbv) {
-          row_keys[jw + g] = klo;
-          kmax = max(kmax, klo);
-        }
-        if (jw + g + 8 < nbv) {
-          row_keys[jw + g + 8] = khi;
-          kmax = max(kmax, khi);
-        }
+      for (int u = 0; u < 2; ++u) {
+        mma_16816(acc, word(ca[s], 2 * u), word(cb[s], 2 * u), word(ca[s], 2 * u + 1),
+                  word(cb[s], 2 * u + 1), word(qv[s], 2 * u), word(qv[s], 2 * u + 1));
       }
     }
-    if (kPipe) {
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        ca[s] = na[s];
-        cb[s] = nb4[s];
+    // acc: (block g, heads 2t, 2t+1), (block g + 8, heads 2t, 2t+1); heads >= 4 are zero.
+    // ReLU also maps -0.0 to +0.0.
+    float lo = (acc[0] > 0.f ? acc[0] : 0.f) + (acc[1] > 0.f ? acc[1] : 0.f);
+    float hi = (acc[2] > 0.f ? acc[2] : 0.f) + (acc[3] > 0.f ? acc[3] : 0.f);
+    lo += __shfl_xor_sync(0xffffffffu, lo, 1);
+    hi += __shfl_xor_sync(0xffffffffu, hi, 1);
+    const int64_t jw = j0 + 16 * gwarp;
+    if (t == 0) {
+      const uint32_t klo = __float_as_uint(lo * kScoreScale) + 1u;
+      const uint32_t khi = __float_as_uint(hi * kScoreScale) + 1u;
+      if (jw + g < nbv) {
+        row_keys[jw + g] = klo;
+        kmax = max(kmax, klo);
+      }
+      if (jw + g + 8 < nbv) {
+        row_keys[jw + g + 8] = khi;
+        kmax = max(kmax, khi);
       }
     }
-    phys = phys_next;
-    phys_next = phys_after;
+  };
+  auto page_ahead = [&](int64_t j) {  // loaded inside the loop: only pages of the row
+    return detail::ldg32_pred(table + (j < nbv ? j / kCkPage : 0), j < nbv, -1);
+  };
+  if (kPipe && first < nbv && usable_page(ph0)) issue(first, ph0, xa, xb);
+  for (int64_t j0 = first; j0 < nbv; j0 += 2 * stride) {
+    const int64_t ph4 = page_ahead(j0 + 4 * stride), ph5 = page_ahead(j0 + 5 * stride);
+    score_step(j0, ph0, ph1, xa, xb, ya, yb);
+    if (j0 + stride >= nbv) break;
+    score_step(j0 + stride, ph1, ph2, ya, yb, xa, xb);
+    ph0 = ph2;
+    ph1 = ph3;
+    ph2 = ph4;
+    ph3 = ph5;
   }
 
   // ---- Arrival: the row's last CTA selects ----------------------------------------------
