@@ -810,7 +810,15 @@ QSA_EXPORT const char* qsa_build_info_json() {
   return json.c_str();
 }
 
-QSA_EXPORT int qsa_attention_splits(int64_t rows, int requested, int device) {
+// The split count a call would take now (QSA_ATTN_SPLITS read here, as by the op); -1 when the
+// variable is malformed (the op raises).
+QSA_EXPORT int qsa_attention_splits(int64_t rows, int device) {
+  int requested = 0;
+  try {
+    requested = requested_splits();
+  } catch (const std::exception&) {
+    return -1;
+  }
   return qsa::attention_splits(rows, requested, device);
 }
 QSA_EXPORT int64_t qsa_select_launch_count(int64_t rows, int64_t table_width) {

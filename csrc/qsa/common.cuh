@@ -8,6 +8,17 @@
 namespace qsa {
 namespace detail {
 
+// The device's SM count (device < 0: the current device); 132, the H100/H200 count, where the
+// query fails.
+inline int sm_count(int device = -1) {
+  if (device < 0 && cudaGetDevice(&device) != cudaSuccess) return 132;
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return 132;
+  }
+  return sms > 0 ? sms : 132;
+}
+
 // Eight consecutive halves. kVec16: one 16-byte load (the pointer is 16-byte aligned);
 // otherwise eight 2-byte loads, for tensors whose storage offset breaks that alignment.
 template <bool kVec16>

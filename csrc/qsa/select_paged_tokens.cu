@@ -550,9 +550,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // added, candidates pushed; the last of the third resets it.
   const bool dist_row = dist != nullptr && b_ok;  // uniform over the row's CTAs
   const int ctas = int(gridDim.x);
-  uint32_t* gh = dist_row ? dist + rl * kDistWords : nullptr;  // the row's histogram
-  uint32_t* gc = gh + kDigitBins;                              // its bins' next free slots
-  unsigned long long* gb = reinterpret_cast<unsigned long long*>(gc + kDigitBins);
+  uint32_t* gh = dist_row ? dist + rl * kDistWords : nullptr;   // the row's histogram
+  uint32_t* gc = dist_row ? gh + kDigitBins : nullptr;          // its bins' next free slots
+  unsigned long long* gb =                                      // its candidates
+      dist_row ? reinterpret_cast<unsigned long long*>(gc + kDigitBins) : nullptr;
   if (dist_row && blockIdx.x == 0) {  // before this CTA's arrival: no CTA adds before it
     for (int i = tid; i < 2 * kDigitBins; i += kThreads) gh[i] = 0u;
   }
@@ -805,13 +806,6 @@ cudaError_t launch_select(const cudaLaunchConfig_t& cfg, bool vec16, const Selec
                                     dist);
 }
 
-int sm_count() {
-  int dev = 0, sms = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 132;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 132;
-  return sms > 0 ? sms : 132;
-}
-
 }  // namespace select_impl
 
 using namespace select_impl;
@@ -862,7 +856,7 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     // per SM). v7n: more rows than SMs take 4 CTAs per row (several waves, so that a row's
     // select overlaps the other SMs' scoring instead of every SM selecting at once at the
     // end of a wave).
-    const int64_t sms = sm_count();
+    const int64_t sms = detail::sm_count();
     const int64_t per_row = n > sms ? kWideCtas : std::max<int64_t>(1, sms / n);
     const int64_t ctas = std::min(chunks, per_row);
     const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(n));

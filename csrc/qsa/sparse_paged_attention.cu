@@ -695,14 +695,6 @@ __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
   if (tid == 0 && atomicAdd(counter, 1) == splits + mergers - 1) *counter = 0;
 }
 
-int sm_count(int device) {
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    return 132;
-  }
-  return sms > 0 ? sms : 132;
-}
-
 // CTAs per cluster for a split count: the whole row up to 8 splits, else clusters of 8.
 int cluster_size(int splits) { return splits <= kMaxCluster ? splits : kMaxCluster; }
 
@@ -741,7 +733,7 @@ int64_t small_resident(int device) {
       (void)cudaGetLastError();
       a = b = 0;
     }
-    n = int64_t(std::max(std::min(a, b), 0)) * sm_count(device) + 1;  // 0 = not asked yet
+    n = int64_t(std::max(std::min(a, b), 0)) * detail::sm_count(device) + 1;  // 0 = not asked yet
     cached[device].store(n, std::memory_order_relaxed);
   }
   return n - 1;
@@ -765,6 +757,14 @@ cudaError_t launch_small(const cudaLaunchConfig_t& cfg, bool vec16, const Attent
                                     mergers, parts);
 }
 
+template <bool kDeep>
+cudaError_t launch_cluster(const cudaLaunchConfig_t& cfg, bool vec16, const AttentionParams& p,
+                           int splits, int csize, float* parts) {
+  return vec16 ? cudaLaunchKernelEx(&cfg, attention_kernel<true, kDeep>, p, splits, csize, parts)
+               : cudaLaunchKernelEx(&cfg, attention_kernel<false, kDeep>, p, splits, csize,
+                                    parts);
+}
+
 
 // The cluster kernel's split count (also the fallback when a cooperative grid is refused).
 int cluster_splits(int64_t rows, int requested, int device) {
@@ -774,7 +774,7 @@ int cluster_splits(int64_t rows, int requested, int device) {
   // 256 at R=256 (1). Grids near 2 CTAs per SM with clusters (R=8 x 32, R=64 x 4) lost
   // 20-30%: not every cluster is resident at once. Small batches aim at 1.5 CTAs per SM
   // (at most 64 splits), larger ones at one CTA per SM; legal_splits rounds down.
-  const int64_t sms = sm_count(device);
+  const int64_t sms = detail::sm_count(device);
   int64_t sp = rows <= kMaxCluster ? std::min<int64_t>(64, (3 * sms / 2) / rows)
                                    : std::min<int64_t>(kMaxCluster, sms / rows);
   sp = std::max<int64_t>(sp, 1);
@@ -867,14 +867,9 @@ cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream
   }
   // NOTES: at most one CTA per SM (the split rule's grids from 9 to 132 rows): the deep
   // variant (NOTES-kernels.md, v9a).
-  const bool deep = p.rows * splits <= sm_count(device);
-  if (deep) {
-    err = vec16 ? cudaLaunchKernelEx(&cfg, attention_kernel<true, true>, p, splits, csize, parts)
-                : cudaLaunchKernelEx(&cfg, attention_kernel<false, true>, p, splits, csize, parts);
-  } else {
-    err = vec16 ? cudaLaunchKernelEx(&cfg, attention_kernel<true, false>, p, splits, csize, parts)
-                : cudaLaunchKernelEx(&cfg, attention_kernel<false, false>, p, splits, csize, parts);
-  }
+  const bool deep = p.rows * splits <= detail::sm_count(device);
+  err = deep ? launch_cluster<true>(cfg, vec16, p, splits, csize, parts)
+             : launch_cluster<false>(cfg, vec16, p, splits, csize, parts);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }

@@ -300,7 +300,7 @@ def _clib() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(LIBRARY_PATH))  # the same handle torch.ops.load_library opened
     lib.qsa_build_info_json.restype = ctypes.c_char_p
     lib.qsa_attention_splits.restype = ctypes.c_int
-    lib.qsa_attention_splits.argtypes = (ctypes.c_int64, ctypes.c_int, ctypes.c_int)
+    lib.qsa_attention_splits.argtypes = (ctypes.c_int64, ctypes.c_int)
     lib.qsa_select_launch_count.restype = ctypes.c_int64
     lib.qsa_select_launch_count.argtypes = (ctypes.c_int64, ctypes.c_int64)
     lib.qsa_attention_launch_count.restype = ctypes.c_int64
@@ -322,10 +322,15 @@ SPLITS_ENV = "QSA_ATTN_SPLITS"  # read by the library at each call (tuning and t
 
 
 def attention_splits(rows: int, device: int | None = None) -> int:
-    """CTAs that share one attention row for ``rows`` rows (QSA_ATTN_SPLITS overrides)."""
+    """CTAs that share one attention row for ``rows`` rows, as a call would take them now
+    (the library reads QSA_ATTN_SPLITS, which overrides; ValueError when it is malformed)."""
     index = torch.cuda.current_device() if device is None else device
-    requested = int(os.environ.get(SPLITS_ENV, "0") or 0)
-    return int(_clib().qsa_attention_splits(rows, requested, index))
+    n = int(_clib().qsa_attention_splits(rows, index))
+    if n < 0:
+        raise ValueError(
+            f"{SPLITS_ENV} must be a non-negative integer, got {os.environ.get(SPLITS_ENV)!r}"
+        )
+    return n
 
 
 def launch_counts(rows: int, table_width: int) -> dict[str, int]:

@@ -106,6 +106,19 @@ def test_forced_splits(cuda_backend, monkeypatch, splits, R):
     testing.check_attention(case, out)
 
 
+@pytest.mark.parametrize("value", ["many", "-2", "3x"])
+def test_split_knob_refuses_malformed_values(cuda_backend, monkeypatch, value):
+    """The library parses QSA_ATTN_SPLITS once for the op and for ops.attention_splits."""
+    monkeypatch.setenv(ops.SPLITS_ENV, value)
+    message = f"QSA_ATTN_SPLITS must be a non-negative integer, got '{value}'"
+    with pytest.raises(ValueError, match=message):
+        ops.attention_splits(4)
+    case = testing.make_attention_case("full_width_2051", 2, DEVICE, seed=6)
+    with pytest.raises(RuntimeError, match=message):
+        qsa_ops.sparse_paged_attention(*case.args())
+    assert case.out.isnan().all()
+
+
 def test_scale_rows_256(cuda_backend):
     case = testing.scale_attention_case(65536, 256, DEVICE, seed=4)
     out = run_cuda(case)
