@@ -517,6 +517,13 @@ struct Workspace {
   std::optional<Tensor> scratch;
   std::optional<Tensor> counters;
   std::vector<Tensor> retired;
+  // NOTES: the temporaries of the capture in progress on this stream (from its graph's pool),
+  // shared by that capture's calls, which run in stream order like the eager calls that share
+  // `scratch` and `counters`: such a graph replays one zero fill, not one per call. Kept until
+  // the next capture on this stream (a block of a destroyed graph's pool stays valid while held).
+  unsigned long long capture_id = 0;
+  std::optional<Tensor> capture_scratch;
+  std::optional<Tensor> capture_counters;
 };
 
 struct WorkspaceView {
@@ -537,14 +544,24 @@ WorkspaceView workspace(const Tensor& like, int device, cudaStream_t stream, siz
   // Asked only when something must be allocated (the common call needs no runtime call here).
   auto capturing = [&] {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    check_cuda(cudaStreamIsCapturing(stream, &capture), "qsa workspace");
-    return capture != cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    check_cuda(cudaStreamGetCaptureInfo(stream, &capture, &id), "qsa workspace");
+    if (capture == cudaStreamCaptureStatusNone) return false;
+    if (id != ws.capture_id) {  // a new capture on this stream
+      ws.capture_id = id;
+      ws.capture_scratch.reset();
+      ws.capture_counters.reset();
+    }
+    return true;
   };
   if (bytes > 0) {
     const int64_t have = ws.scratch ? ws.scratch->numel() : 0;
     if (have < static_cast<int64_t>(bytes)) {
       if (capturing()) {
-        view.keep = torch::stable::new_empty(like, {static_cast<int64_t>(bytes)}, ScalarType::Byte);
+        if (!ws.capture_scratch || ws.capture_scratch->numel() < static_cast<int64_t>(bytes))
+          ws.capture_scratch =
+              torch::stable::new_empty(like, {static_cast<int64_t>(bytes)}, ScalarType::Byte);
+        view.keep = *ws.capture_scratch;
       } else {
         const int64_t size = std::max<int64_t>(bytes, have ? 2 * have : int64_t(1) << 20);
         if (ws.scratch) ws.retired.push_back(*ws.scratch);
@@ -557,7 +574,9 @@ WorkspaceView workspace(const Tensor& like, int device, cudaStream_t stream, siz
   }
   if (!ws.counters) {
     if (capturing()) {  // the zero fill is captured too: every replay starts from zeros
-      view.keep_counters = torch::stable::new_zeros(like, {counter_slots()}, ScalarType::Int);
+      if (!ws.capture_counters)
+        ws.capture_counters = torch::stable::new_zeros(like, {counter_slots()}, ScalarType::Int);
+      view.keep_counters = *ws.capture_counters;
     } else {
       ws.counters = torch::stable::new_zeros(like, {counter_slots()}, ScalarType::Int);
     }

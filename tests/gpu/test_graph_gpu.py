@@ -125,3 +125,41 @@ def test_profile_attention(cuda_backend, R):
     assert len(kernels) == ops.launch_counts(R, 8)["sparse_paged_attention"] == 1, kernels
     assert "qsa" in kernels[0] and "attention" in kernels[0], kernels
     assert not copies, f"device-to-host copies: {copies}"
+
+
+@pytest.mark.parametrize("op", ["select", "attention"])
+def test_graph_unwarmed_stream_one_fill(cuda_backend, op):
+    """A capture on a stream that never ran the ops shares one set of temporaries among its
+    calls: the graph replays one zero fill of the counters, not one per call."""
+    calls = 4
+    if op == "select":
+        case = _select_case()
+        expected = reference_select(case)
+
+        def call():
+            qsa_ops.select_paged_tokens(*case.args())
+    else:
+        case = _attention_case(1)
+        qsa_ops.sparse_paged_attention(*case.args())
+        torch.cuda.synchronize()
+        expected = case.out.clone()
+
+        def call():
+            qsa_ops.sparse_paged_attention(*case.args())
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
+        for _ in range(calls):
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    testing.poison_(case.out)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(case.out, expected)
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ours = [n for n in names if "qsa" in n]
+    others = [n for n in names if "qsa" not in n]
+    assert len(ours) == calls, names
+    assert len(others) <= 1, f"more than one fill per replay: {others}"
