@@ -479,8 +479,10 @@ cudaStream_t current_stream(int device) {
     return lib ? reinterpret_cast<GetStreamFn>(dlsym(lib, "aoti_torch_get_current_cuda_stream"))
                : nullptr;
   }();
-  if (fn == nullptr)
-    throw std::runtime_error("qsa: libtorch_cuda.so is not loaded: a CUDA build of torch is needed");
+  if (fn == nullptr) {
+    throw std::runtime_error(
+        "qsa: libtorch_cuda.so is not loaded: a CUDA build of torch is needed");
+  }
   void* stream = nullptr;
   TORCH_ERROR_CODE_CHECK(fn(device, &stream));
   return static_cast<cudaStream_t>(stream);
@@ -808,8 +810,9 @@ QSA_EXPORT const char* qsa_build_info_json() {
   static const std::string json = [] {
     int runtime = 0;
     cudaRuntimeGetVersion(&runtime);
-    std::string s = "{\"backend\": \"cuda\", \"arch\": \"" QSA_ARCH "\", \"version\": \"" QSA_VERSION
-                    "\", \"source_sha256\": \"" QSA_SOURCE_SHA256 "\", \"cuda_runtime\": " +
+    std::string s = "{\"backend\": \"cuda\", \"arch\": \"" QSA_ARCH "\", \"version\": \""
+                    QSA_VERSION "\", \"source_sha256\": \"" QSA_SOURCE_SHA256
+                    "\", \"cuda_runtime\": " +
                     std::to_string(runtime) + ", \"torch_target_version\": \"" +
                     fmt_hex(static_cast<uint64_t>(TORCH_TARGET_VERSION)) + "\", \"macros\": {";
     const std::pair<const char*, int> macros[] = {
