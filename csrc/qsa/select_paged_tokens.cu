@@ -1,11 +1,14 @@
 // Fused paged token selection (contract section 1): block scores, exact top-512, expansion.
 //
 // One launch per group of rows, grid (CTAs per row, rows), 512 threads, one CTA per SM:
-//   * every CTA scores pages of its row, two at a time (two groups of 8 warps; tensor-core
-//     mma: 16 keys x 4 heads per warp and m16n8k16 step, float32 accumulation) and stores each
-//     block's score as an order-preserving uint32 key in the workspace;
+//   * every CTA scores blocks of its row, 16 per warp at a time (tensor-core mma: 16 keys x 4
+//     heads per warp and m16n8k16 step, float32 accumulation): a page per group of 8 warps,
+//     or, for a short row spread over more CTAs than it has pages, 16-block chunks dealt to
+//     the warps across the CTAs; it stores each block's score as an order-preserving uint32
+//     key in the workspace;
 //   * the CTA that arrives last at its row's counter selects the row: a 4096-bin histogram of
-//     the keys (bins relative to the row's largest key, which every CTA folds into one
+//     the keys (bins relative to the row's largest key: the last CTA takes it from the keys
+//     it loads, or, in a launch with streamed rows, every CTA folds its own into one
 //     atomicMax before it arrives) gives the bin of the 512-th largest; every key at or above
 //     that bin goes to a shared buffer at its bin's offset (bins descending), and each key's
 //     place inside its bin is its rank by (key desc, block asc), counted against its bin
@@ -95,8 +98,8 @@ constexpr int kDistWords = 2 * kDigitBins + 2 * kBufCap;  // histogram, cursors,
 // row needs 128 KiB; 512 such rows fit). A group never has more rows than counters.
 constexpr size_t kWorkspaceCap = size_t(64) << 20;
 constexpr int64_t kCounterSlots = 8192;        // one arrival counter per row of a group
-// counters[kCounterSlots + rl]: the row's largest key (atomicMax of every CTA's before it
-// arrives), read and reset to 0 by the row's last CTA.
+// counters[kCounterSlots + rl]: in a launch with streamed rows, the row's largest key (atomicMax
+// of every CTA's before it arrives), read and reset to 0 by the row's last CTA.
 constexpr int64_t kMaxKeySlot = kCounterSlots;
 
 // The first digit of key (> 0) in a row whose largest key is maxkey.
@@ -241,7 +244,9 @@ __device__ __forceinline__ void for_each_key(const uint32_t* keys, int nbv, bool
 
 // Generic path: exact radix select (3 passes of 11/11/10 bits), winners gathered in block
 // order, bitonic sort (score desc, block asc). Returns kb; sh.u.g.winners[0, kb) sorted.
-__device__ int select_generic(const uint32_t* K, int nbv, SelectShared& sh) {
+// NOTES: out of line: its code is not between the fast path's pieces, which a short row's last
+// CTA fetches cold (paired with another kernel: P8192 -0.2 us).
+__device__ __noinline__ int select_generic(const uint32_t* K, int nbv, SelectShared& sh) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   uint32_t* hist = sh.u.g.hist;
   unsigned long long* winners = sh.u.g.winners;
@@ -407,7 +412,11 @@ __device__ int select_generic(const uint32_t* K, int nbv, SelectShared& sh) {
   return kb;
 }
 
-template <bool kVec16>
+// kStreamed: a launch whose table can hold more than kTile blocks (== ncap > kTile). A launch
+// without streamed rows runs an instantiation without their code (streamed visits, the
+// distributed select, the row's largest key in global memory), so a short row's last CTA
+// fetches less code.
+template <bool kVec16, bool kStreamed>
 __global__ void __launch_bounds__(kThreads, 1)
     select_kernel(SelectParams p, int64_t row0, int64_t ncap, uint32_t* __restrict__ keys,
                   int32_t* __restrict__ counters, uint32_t* __restrict__ dist) {
@@ -420,6 +429,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Group grp of CTA x scores chunks (grp * X + x) + k * 2X: with fewer chunks than CTAs'
   // groups (a grid of one CTA per chunk) the second groups have nothing to score.
   const int64_t first = (int64_t(grp) * gridDim.x + blockIdx.x) * kScoreChunk;
+  // NOTES (v7w): a launch without streamed rows whose grid has more page groups than the
+  // table has pages (a short row spread over more SMs than pages) deals warp chunks of 16
+  // blocks across the CTAs first (warp (grp, gwarp) of CTA x takes chunk (gwarp * 2 + grp) X
+  // + x), so that every SM reads a few KiB instead of a page. Otherwise warp gwarp of a group
+  // takes the group's page's 16 blocks from 16 gwarp. A warp's 16 blocks are in one page.
+  constexpr bool streamed = kStreamed;  // == ncap > kTile
+  const bool spread = !streamed && int64_t(gridDim.x) * kGroups * kScoreChunk > ncap;
+  const int64_t wfirst =
+      spread ? (int64_t(gwarp) * kGroups + grp) * gridDim.x * 16 + int64_t(blockIdx.x) * 16
+             : first + 16 * gwarp;
 
   // NOTES: the dependent chain before the keys is 3 loads: token_to_req, the query position
   // and q go out together; the sequence length and the first page-table entry then go out
@@ -441,28 +460,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t len = detail::ldg32_pred(p.sequence_lengths + (b_ok ? b : 0), b_ok, 0);
   // (first < ncap: the table has this page; with M = 0 there is no entry to read)
   const int64_t stride = int64_t(gridDim.x) * kGroups * kScoreChunk;
-  // The pages of the group's first four chunks (the table's entries: the row's length is not
+  // The pages of the warp's first four chunks (the table's entries: the row's length is not
   // known yet).
   auto page_first = [&](int64_t j) {
     return detail::ldg32_pred(table + (j < ncap ? j / kCkPage : 0), b_ok && j < ncap, -1);
   };
-  int64_t ph0 = page_first(first), ph1 = page_first(first + stride);
-  int64_t ph2 = page_first(first + 2 * stride), ph3 = page_first(first + 3 * stride);
+  int64_t ph0 = page_first(wfirst), ph1 = page_first(wfirst + stride);
+  int64_t ph2 = page_first(wfirst + 2 * stride), ph3 = page_first(wfirst + 3 * stride);
   int64_t n = pos1 < len ? pos1 : len;
   n = n > 0 ? n : 0;
   const int64_t nb = n / kRatio;
   const int64_t nbv = b_ok ? (nb < ncap ? nb : ncap) : 0;  // candidate blocks
   uint32_t* row_keys = keys + rl * ncap;
 
-  // ---- Scores: each page group scores one page per iteration, 16 blocks per warp ---------
+  // ---- Scores: each warp scores 16 blocks of one page per iteration -----------------------
   const __half* ck = static_cast<const __half*>(p.compressed_keys);
   const uint32_t zero = static_cast<uint32_t>(ncap >> 62);  // ncap < 2^62
-  // Warp w of the group scores blocks j0 + 16 w + (0..15); lane (g, t) loads rows g and g + 8
+  // The warp scores blocks j0 + (0..15); lane (g, t) loads rows g and g + 8
   // (A fragments), dims 8 (4 s + t) .. + 8. NOTES: unpredicated loads of a clamped block
   // (same page); a clamped block's score is not stored. An unusable page is never read.
   auto issue = [&](int64_t j0, int64_t ph, uint4(&ra)[4], uint4(&rb)[4]) {
-    const int64_t jw = j0 + 16 * gwarp;
-    const int64_t ja = min(jw + g, nbv - 1), jb = min(jw + g + 8, nbv - 1);
+    const int64_t ja = min(j0 + g, nbv - 1), jb = min(j0 + g + 8, nbv - 1);
     const __half* pa = ck + (ph * kCkPage + (ja % kCkPage)) * kIndexDim + 8 * t;
     const __half* pb = ck + (ph * kCkPage + (jb % kCkPage)) * kIndexDim + 8 * t;
 #pragma unroll
@@ -489,9 +507,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (kPipe && j1 < nbv && usable_page(ph_next)) issue(j1, ph_next, na, nb4);
     if (!usable_page(ph)) {
       // Never read: an unusable block gets key 0 and can never be chosen.
-      for (int i = gtid; i < kScoreChunk; i += kGroupThreads) {
-        if (j0 + i < nbv) row_keys[j0 + i] = 0u;
-      }
+      if (lane < 16 && j0 + lane < nbv) row_keys[j0 + lane] = 0u;
       return;
     }
     if (!kPipe) issue(j0, ph, ca, cb);
@@ -516,7 +532,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     float hi = (acc[2] > 0.f ? acc[2] : 0.f) + (acc[3] > 0.f ? acc[3] : 0.f);
     lo += __shfl_xor_sync(0xffffffffu, lo, 1);
     hi += __shfl_xor_sync(0xffffffffu, hi, 1);
-    const int64_t jw = j0 + 16 * gwarp;
+    const int64_t jw = j0;
     if (t == 0) {
       const uint32_t klo = __float_as_uint(lo * kScoreScale) + 1u;
       const uint32_t khi = __float_as_uint(hi * kScoreScale) + 1u;
@@ -533,8 +549,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto page_ahead = [&](int64_t j) {  // loaded inside the loop: only pages of the row
     return detail::ldg32_pred(table + (j < nbv ? j / kCkPage : 0), j < nbv, -1);
   };
-  if (kPipe && first < nbv && usable_page(ph0)) issue(first, ph0, xa, xb);
-  for (int64_t j0 = first; j0 < nbv; j0 += 2 * stride) {
+  if (kPipe && wfirst < nbv && usable_page(ph0)) issue(wfirst, ph0, xa, xb);
+  for (int64_t j0 = wfirst; j0 < nbv; j0 += 2 * stride) {
     const int64_t ph4 = page_ahead(j0 + 4 * stride), ph5 = page_ahead(j0 + 5 * stride);
     score_step(j0, ph0, ph1, xa, xb, ya, yb);
     if (j0 + stride >= nbv) break;
@@ -548,7 +564,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // ---- Arrival: the row's last CTA selects ----------------------------------------------
   // A distributed row (v7p) counts three arrivals per CTA on its counter: scored, histogram
   // added, candidates pushed; the last of the third resets it.
-  const bool dist_row = dist != nullptr && b_ok;  // uniform over the row's CTAs
+  const bool dist_row = streamed && dist != nullptr && b_ok;  // uniform over the row's CTAs
   const int ctas = int(gridDim.x);
   uint32_t* gh = dist_row ? dist + rl * kDistWords : nullptr;   // the row's histogram
   uint32_t* gc = dist_row ? gh + kDigitBins : nullptr;          // its bins' next free slots
@@ -560,7 +576,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   // NOTES (v7r): only a launch whose rows can be streamed folds its largest key into the
   // row's slot; a resident row's last CTA takes it from the tile it holds (one L2 round trip,
   // the atomicExch after the arrival, fewer on the row's critical path).
-  const bool streamed = ncap > kTile;  // uniform over the launch
   kmax = __reduce_max_sync(0xffffffffu, kmax);
   if (lane == 0) sh.scan[tid >> 5] = static_cast<int>(kmax);  // keys < 2^31
   __syncthreads();
@@ -600,7 +615,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     sh.work = 0;
   }
-  const bool resident = !dist_row && nv <= kTile;  // always, in a launch without streaming
+  const bool resident = !streamed || (!dist_row && nv <= kTile);
   uint4 tile[kStreamUnroll];
   if (resident) load_tile<true>(K, nv, 0, tile);
   if (!streamed) {
@@ -800,10 +815,9 @@ int64_t group_rows(int64_t rows, int64_t table_width) {
 
 cudaError_t launch_select(const cudaLaunchConfig_t& cfg, bool vec16, const SelectParams& p,
                           int64_t row0, int64_t ncap, uint32_t* keys, uint32_t* dist) {
-  return vec16 ? cudaLaunchKernelEx(&cfg, select_kernel<true>, p, row0, ncap, keys, p.counters,
-                                    dist)
-               : cudaLaunchKernelEx(&cfg, select_kernel<false>, p, row0, ncap, keys, p.counters,
-                                    dist);
+  auto* kernel = ncap > kTile ? (vec16 ? select_kernel<true, true> : select_kernel<false, true>)
+                              : (vec16 ? select_kernel<true, false> : select_kernel<false, false>);
+  return cudaLaunchKernelEx(&cfg, kernel, p, row0, ncap, keys, p.counters, dist);
 }
 
 }  // namespace select_impl
@@ -858,7 +872,9 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     // end of a wave).
     const int64_t sms = detail::sm_count();
     const int64_t per_row = n > sms ? kWideCtas : std::max<int64_t>(1, sms / n);
-    const int64_t ctas = std::min(chunks, per_row);
+    // v7w: a launch without streamed rows spreads a short row over up to one CTA per warp
+    // chunk (16 blocks) instead of one per page.
+    const int64_t ctas = std::min(ncap > kTile ? chunks : std::max<int64_t>(1, ncap / 16), per_row);
     const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(n));
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
