@@ -611,6 +611,15 @@ bool select_generic_path() {
                            "'");
 }
 
+// QSA_PDL: "0" launches the selection and attention kernels without programmatic dependent
+// launch (csrc/qsa/qsa.h); unset, empty or "1" = with it. Read per call, like the two above.
+bool pdl_enabled() {
+  const char* v = std::getenv("QSA_PDL");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "1") == 0) return true;
+  if (std::strcmp(v, "0") == 0) return false;
+  throw std::runtime_error(std::string("QSA_PDL must be '0' or '1', got '") + v + "'");
+}
+
 constexpr int64_t kInt32Max = 2147483647;
 
 // ---------------------------------------------------------------------------------------------
@@ -631,6 +640,7 @@ void select_paged_tokens(Tensor q, Tensor ck, Tensor page_table, Tensor token_to
   check_capability(device);
   const DeviceGuard guard(device, "select_paged_tokens: selecting the device");
   const cudaStream_t stream = current_stream(device);
+  const bool generic = select_generic_path(), pdl = pdl_enabled();
   const WorkspaceView ws =
       workspace(q, device, stream, qsa::select_workspace_bytes(rows, width));
   const qsa::SelectParams p{q.const_data_ptr(),
@@ -649,7 +659,8 @@ void select_paged_tokens(Tensor q, Tensor ck, Tensor page_table, Tensor token_to
                             ws.scratch,
                             ws.scratch_bytes,
                             ws.counters + qsa::attention_counter_slots(),
-                            select_generic_path()};
+                            generic,
+                            pdl};
   check_cuda(qsa::select_paged_tokens(p, stream), "select_paged_tokens");
 }
 
@@ -669,6 +680,7 @@ void sparse_paged_attention(Tensor q, Tensor kv, Tensor logical_indices, Tensor 
   const DeviceGuard guard(device, "sparse_paged_attention: selecting the device");
   const cudaStream_t stream = current_stream(device);
   const int splits = requested_splits();
+  const bool pdl = pdl_enabled();
   const WorkspaceView ws =
       workspace(q, device, stream, qsa::attention_workspace_bytes(rows, splits, device));
   const qsa::AttentionParams p{q.const_data_ptr(),
@@ -687,7 +699,8 @@ void sparse_paged_attention(Tensor q, Tensor kv, Tensor logical_indices, Tensor 
                                splits,
                                ws.scratch,
                                ws.scratch_bytes,
-                               ws.counters};
+                               ws.counters,
+                               pdl};
   check_cuda(qsa::sparse_paged_attention(p, stream), "sparse_paged_attention");
 }
 

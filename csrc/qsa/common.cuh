@@ -112,6 +112,25 @@ __device__ __forceinline__ int ld_acquire_gpu(const int32_t* p) {
   return v;
 }
 
+// Programmatic dependent launch (PDL). A kernel launched with it (pdl_attribute) may start
+// while the kernel before it in the stream still runs: grid_dependency_wait() returns once
+// that kernel has completed and its writes are visible, so every kernel calls it before its
+// first global read or write. allow_dependents() lets the next kernel's CTAs start (and wait)
+// as this CTA's SM frees up: every CTA calls it once its own heavy traffic is issued. Both
+// are no-ops in a launch without the attribute.
+__device__ __forceinline__ void grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+__device__ __forceinline__ void allow_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+inline cudaLaunchAttribute pdl_attribute() {
+  cudaLaunchAttribute a = {};
+  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a.val.programmaticStreamSerializationAllowed = 1;
+  return a;
+}
+
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 }  // namespace detail

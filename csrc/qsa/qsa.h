@@ -5,6 +5,12 @@
 // cudaGetLastError() and the first error is returned. Grid sizes depend on the shapes only,
 // nothing is read back to the host, and nothing is allocated: the entry points are safe inside
 // CUDA-graph capture. Contract constants: contract.h (QSA_*).
+//
+// pdl (selection and attention): the launch carries the programmatic-dependent-launch
+// attribute, so that its CTAs may become resident while the kernel before it in the stream
+// finishes; each kernel waits for that kernel's completion before its first global access,
+// and lets the kernel after it start once its own heavy traffic is issued. Results are the
+// same with and without it; the op layer sets it unless QSA_PDL=0.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -38,6 +44,7 @@ struct SelectParams {
   int32_t* counters;              // >= select_counter_slots() int32, zero on first use;
                                   // every call leaves them zero again
   bool generic_path;              // every row through the generic select (tests)
+  bool pdl;                       // launched with programmatic dependent launch (see below)
 };
 
 // Bytes of scratch the selection needs: one uint32 score key per candidate block of a group
@@ -71,6 +78,7 @@ struct AttentionParams {
   size_t workspace_bytes;
   int32_t* counters;               // >= attention_counter_slots() int32, zero on first use;
                                    // every call leaves them zero again
+  bool pdl;                        // launched with programmatic dependent launch (see below)
 };
 
 // How many CTAs share one row (the split of the 2051 columns); 1 for large R.

@@ -59,7 +59,8 @@ constexpr int kThreads = 512;                  // 16 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kGroupThreads = 256;             // a page group: 8 warps x 16 blocks = one page
 constexpr int kGroups = kThreads / kGroupThreads;
-constexpr int kScoreChunk = 16 * (kGroupThreads / 32);  // blocks per group iteration
+constexpr int kWarpChunk = 16;                 // blocks a warp scores at a time (mma rows)
+constexpr int kScoreChunk = kWarpChunk * (kGroupThreads / 32);  // blocks per group iteration
 static_assert(kScoreChunk == kCkPage, "a group iteration scores exactly one page");
 
 // NOTES (v7i): the first digit is relative to the row's largest key: bin 4095 holds the keys
@@ -412,7 +413,7 @@ __device__ __noinline__ int select_generic(const uint32_t* K, int nbv, SelectSha
   return kb;
 }
 
-// kStreamed: a launch whose table can hold more than kTile blocks (== ncap > kTile). A launch
+// kStreamed: a launch whose table can hold more than kTile blocks (streamed_launch). A launch
 // without streamed rows runs an instantiation without their code (streamed visits, the
 // distributed select, the row's largest key in global memory), so a short row's last CTA
 // fetches less code.
@@ -421,24 +422,27 @@ __global__ void __launch_bounds__(kThreads, 1)
     select_kernel(SelectParams p, int64_t row0, int64_t ncap, uint32_t* __restrict__ keys,
                   int32_t* __restrict__ counters, uint32_t* __restrict__ dist) {
   __shared__ SelectShared sh;
+  detail::grid_dependency_wait();  // before the first global access (a launch with pdl)
   const int64_t rl = blockIdx.y;
   const int64_t r = row0 + rl;
   const int tid = threadIdx.x, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates
   const int grp = tid / kGroupThreads, gtid = tid % kGroupThreads, gwarp = gtid >> 5;
-  // Group grp of CTA x scores chunks (grp * X + x) + k * 2X: with fewer chunks than CTAs'
-  // groups (a grid of one CTA per chunk) the second groups have nothing to score.
-  const int64_t first = (int64_t(grp) * gridDim.x + blockIdx.x) * kScoreChunk;
+  // Group grp of CTA x owns the pages (grp * X + x) + k * 2X: a distributed row's CTA reads
+  // back its own keys by these pages. Who scores which blocks (wfirst, then + stride):
   // NOTES (v7w): a launch without streamed rows whose grid has more page groups than the
-  // table has pages (a short row spread over more SMs than pages) deals warp chunks of 16
-  // blocks across the CTAs first (warp (grp, gwarp) of CTA x takes chunk (gwarp * 2 + grp) X
-  // + x), so that every SM reads a few KiB instead of a page. Otherwise warp gwarp of a group
-  // takes the group's page's 16 blocks from 16 gwarp. A warp's 16 blocks are in one page.
-  constexpr bool streamed = kStreamed;  // == ncap > kTile
+  // table has pages (a short row spread over more SMs than pages) deals warp chunks of
+  // kWarpChunk blocks across the CTAs (warp (grp, gwarp) of CTA x takes chunk (gwarp * 2 +
+  // grp) X + x), so that every SM reads a few KiB instead of a page, and every group scores.
+  // Otherwise warp gwarp of a group takes its page's kWarpChunk blocks from kWarpChunk gwarp.
+  // Either way a warp's chunk lies in one page.
+  const int64_t first = (int64_t(grp) * gridDim.x + blockIdx.x) * kScoreChunk;
+  constexpr bool streamed = kStreamed;  // == streamed_launch(ncap)
   const bool spread = !streamed && int64_t(gridDim.x) * kGroups * kScoreChunk > ncap;
   const int64_t wfirst =
-      spread ? (int64_t(gwarp) * kGroups + grp) * gridDim.x * 16 + int64_t(blockIdx.x) * 16
-             : first + 16 * gwarp;
+      spread ? (int64_t(gwarp) * kGroups + grp) * gridDim.x * kWarpChunk +
+                   int64_t(blockIdx.x) * kWarpChunk
+             : first + kWarpChunk * gwarp;
 
   // NOTES: the dependent chain before the keys is 3 loads: token_to_req, the query position
   // and q go out together; the sequence length and the first page-table entry then go out
@@ -458,10 +462,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool b_ok = b >= 0 && b < p.requests;
   const int32_t* table = p.page_table + (b_ok ? b : 0) * p.page_table_stride;
   const int64_t len = detail::ldg32_pred(p.sequence_lengths + (b_ok ? b : 0), b_ok, 0);
-  // (first < ncap: the table has this page; with M = 0 there is no entry to read)
   const int64_t stride = int64_t(gridDim.x) * kGroups * kScoreChunk;
   // The pages of the warp's first four chunks (the table's entries: the row's length is not
-  // known yet).
+  // known yet; j < ncap: the table has the chunk's page, and with M = 0 there is none to read).
   auto page_first = [&](int64_t j) {
     return detail::ldg32_pred(table + (j < ncap ? j / kCkPage : 0), b_ok && j < ncap, -1);
   };
@@ -507,7 +510,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (kPipe && j1 < nbv && usable_page(ph_next)) issue(j1, ph_next, na, nb4);
     if (!usable_page(ph)) {
       // Never read: an unusable block gets key 0 and can never be chosen.
-      if (lane < 16 && j0 + lane < nbv) row_keys[j0 + lane] = 0u;
+      if (lane < kWarpChunk && j0 + lane < nbv) row_keys[j0 + lane] = 0u;
       return;
     }
     if (!kPipe) issue(j0, ph, ca, cb);
@@ -532,16 +535,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     float hi = (acc[2] > 0.f ? acc[2] : 0.f) + (acc[3] > 0.f ? acc[3] : 0.f);
     lo += __shfl_xor_sync(0xffffffffu, lo, 1);
     hi += __shfl_xor_sync(0xffffffffu, hi, 1);
-    const int64_t jw = j0;
     if (t == 0) {
       const uint32_t klo = __float_as_uint(lo * kScoreScale) + 1u;
       const uint32_t khi = __float_as_uint(hi * kScoreScale) + 1u;
-      if (jw + g < nbv) {
-        row_keys[jw + g] = klo;
+      if (j0 + g < nbv) {
+        row_keys[j0 + g] = klo;
         kmax = max(kmax, klo);
       }
-      if (jw + g + 8 < nbv) {
-        row_keys[jw + g + 8] = khi;
+      if (j0 + g + 8 < nbv) {
+        row_keys[j0 + g + 8] = khi;
         kmax = max(kmax, khi);
       }
     }
@@ -598,6 +600,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();
+  detail::allow_dependents();  // scores stored: the next kernel may take the SMs left
   if (!dist_row && !sh.is_last) return;
   int32_t* out = p.out + r * p.out_stride;
   if (!b_ok) {
@@ -813,10 +816,14 @@ int64_t group_rows(int64_t rows, int64_t table_width) {
   return std::min<int64_t>(g, std::max<int64_t>(rows, 1));
 }
 
+// A launch whose table can hold more than kTile blocks: its rows may be streamed.
+bool streamed_launch(int64_t ncap) { return ncap > kTile; }
+
 cudaError_t launch_select(const cudaLaunchConfig_t& cfg, bool vec16, const SelectParams& p,
                           int64_t row0, int64_t ncap, uint32_t* keys, uint32_t* dist) {
-  auto* kernel = ncap > kTile ? (vec16 ? select_kernel<true, true> : select_kernel<false, true>)
-                              : (vec16 ? select_kernel<true, false> : select_kernel<false, false>);
+  auto* kernel = streamed_launch(ncap)
+                     ? (vec16 ? select_kernel<true, true> : select_kernel<false, true>)
+                     : (vec16 ? select_kernel<true, false> : select_kernel<false, false>);
   return cudaLaunchKernelEx(&cfg, kernel, p, row0, ncap, keys, p.counters, dist);
 }
 
@@ -826,7 +833,7 @@ using namespace select_impl;
 
 // Rows of a group that can take the distributed select (v7p): 0 when no row can be streamed.
 int64_t dist_rows(int64_t rows, int64_t table_width) {
-  if (candidate_blocks(table_width) <= kTile) return 0;
+  if (!streamed_launch(candidate_blocks(table_width))) return 0;
   return std::min<int64_t>(group_rows(rows, table_width), kDistRows);
 }
 
@@ -874,13 +881,16 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     const int64_t per_row = n > sms ? kWideCtas : std::max<int64_t>(1, sms / n);
     // v7w: a launch without streamed rows spreads a short row over up to one CTA per warp
     // chunk (16 blocks) instead of one per page.
-    const int64_t ctas = std::min(ncap > kTile ? chunks : std::max<int64_t>(1, ncap / 16), per_row);
+    const int64_t ctas = std::min(
+        streamed_launch(ncap) ? chunks : std::max<int64_t>(1, ncap / kWarpChunk), per_row);
     const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(n));
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = dim3(kThreads);
     cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
+    cudaLaunchAttribute attr[2];
+    cfg.attrs = attr;
+    if (p.pdl) attr[cfg.numAttrs++] = detail::pdl_attribute();
     // NOTES: the distributed select waits for the row's other CTAs: the grid must be resident
     // at once (cooperative; refused where it is not, and the call then runs the last-CTA
     // select). Rows at most one per SM make at most one CTA per SM.
@@ -888,16 +898,13 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     if (n <= sms && n <= dist_rows(p.rows, p.table_width) &&
         chunks <= kDistPages * kGroups * ctas) {
       dist = keys + key_words(p.rows, p.table_width);
-      attr[0].id = cudaLaunchAttributeCooperative;
-      attr[0].val.cooperative = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
+      attr[cfg.numAttrs].id = cudaLaunchAttributeCooperative;
+      attr[cfg.numAttrs++].val.cooperative = 1;
     }
     cudaError_t err = launch_select(cfg, vec16, p, row0, ncap, keys, dist);
     if (err == cudaErrorCooperativeLaunchTooLarge) {
       (void)cudaGetLastError();
-      cfg.attrs = nullptr;
-      cfg.numAttrs = 0;
+      --cfg.numAttrs;  // the cooperative attribute is the last
       err = launch_select(cfg, vec16, p, row0, ncap, keys, nullptr);
     }
     if (err == cudaSuccess) err = cudaGetLastError();

@@ -175,6 +175,7 @@ template <bool kVec16, bool kDeep>
 __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
     attention_kernel(AttentionParams p, int splits, int csize, float* __restrict__ parts) {
   __shared__ AttnShared sh;
+  detail::grid_dependency_wait();  // before the first global access (a launch with pdl)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t r = blockIdx.x;
   const int s = blockIdx.y;
@@ -332,6 +333,7 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
   }
 
   // ---- Merge the warps of this CTA (fixed order) -----------------------------------------
+  detail::allow_dependents();  // every K/V line read: the next kernel may take the SMs left
   publish_warp(acc, m, l, sh.acc[warp], sh.m[warp], sh.l[warp], lane);
   __syncthreads();
   // Thread tid owns outputs o = tid + k*256 (k = head): head k, dim tid.
@@ -510,6 +512,7 @@ __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
   constexpr int kGroupSplits = (kSmallMaxSplits + kW - 1) / kW;
   static_assert(kT <= 32 && kCols >= kSmallMinCols, "one resolving lane per column");
   __shared__ SmallShared<kW> sh;
+  detail::grid_dependency_wait();  // before the first global access (a launch with pdl)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int s = blockIdx.x;
   const int64_t r = blockIdx.y;
@@ -633,6 +636,7 @@ __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
   __syncthreads();
   int32_t* counter = p.counters + r * kCounterSpread;
   if (tid == 0) detail::red_add_release_gpu(counter, 1);
+  detail::allow_dependents();  // partial released: the next kernel may take the SMs left
   if (s >= mergers) return;
 
   // ---- Mergers: wait for the row's partials, merge slices in split order ----------------
@@ -832,14 +836,15 @@ cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream
   cudaLaunchConfig_t cfg = {};
   cfg.dynamicSmemBytes = 0;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
+  cfg.attrs = attr;
+  if (p.pdl) attr[cfg.numAttrs++] = detail::pdl_attribute();
+  const unsigned common_attrs = cfg.numAttrs;
   if (path != Path::kCluster) {
     cfg.gridDim = dim3(static_cast<unsigned>(splits), static_cast<unsigned>(p.rows));
     cfg.blockDim = dim3(8 * 32);
-    attr[0].id = cudaLaunchAttributeCooperative;  // the mergers wait for the other CTAs
-    attr[0].val.cooperative = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    attr[cfg.numAttrs].id = cudaLaunchAttributeCooperative;  // the mergers wait for the others
+    attr[cfg.numAttrs++].val.cooperative = 1;
     const int mergers = std::min(splits, kMergeSlices);
     err = path == Path::kSmall4 ? launch_small<8, 4>(cfg, vec16, p, splits, mergers, parts)
                                 : launch_small<8, 8>(cfg, vec16, p, splits, mergers, parts);
@@ -850,20 +855,18 @@ cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream
     // Fewer SMs than the device reports (a partitioned device): the cluster kernel, whose
     // workspace and counters the small path's cover.
     (void)cudaGetLastError();
-    cfg.attrs = nullptr;
-    cfg.numAttrs = 0;
+    cfg.numAttrs = common_attrs;
     splits = cluster_splits(p.rows, p.splits, device);
   }
   const int csize = cluster_size(splits);
   cfg.gridDim = dim3(static_cast<unsigned>(p.rows), static_cast<unsigned>(splits));
   cfg.blockDim = dim3(kThreads);
   if (csize > 1) {
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = static_cast<unsigned>(csize);
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute& a = attr[cfg.numAttrs++];
+    a.id = cudaLaunchAttributeClusterDimension;
+    a.val.clusterDim.x = 1;
+    a.val.clusterDim.y = static_cast<unsigned>(csize);
+    a.val.clusterDim.z = 1;
   }
   // NOTES: at most one CTA per SM (the split rule's grids from 9 to 132 rows): the deep
   // variant (NOTES-kernels.md, v9a).

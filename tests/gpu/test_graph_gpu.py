@@ -163,3 +163,78 @@ def test_graph_unwarmed_stream_one_fill(cuda_backend, op):
     others = [n for n in names if "qsa" not in n]
     assert len(ours) == calls, names
     assert len(others) <= 1, f"more than one fill per replay: {others}"
+
+
+PDL_ENV = "QSA_PDL"  # programmatic dependent launch of the two kernels: on unless "0"
+
+
+def _layer_chain():
+    """One layer's chain: a selection, an attention over its output (the same table and
+    requests, a K/V pool of the selection's pages), and a second selection from other queries
+    into the same index buffer."""
+    sel = testing.random_select_case(
+        8, 3, 16, 40, device=DEVICE, seed=31, integer=False, bad_values=False
+    )
+    gen = torch.Generator().manual_seed(32)
+    q2 = torch.randn(sel.q.shape, generator=gen).to(torch.float16).to(DEVICE)
+    q = torch.randn(8, 3, 256, generator=gen).to(torch.float16).to(DEVICE)
+    pages = sel.compressed_key_cache.shape[0]
+    buffer, k_cache, v_cache = testing.packed_kv(pages, DEVICE)
+    buffer.copy_(torch.randn(buffer.numel(), generator=gen).to(torch.float16))
+    att_out = testing.poison_(torch.empty(8, 3, 256, dtype=torch.float16, device=DEVICE))
+    args = list(sel.args())
+
+    def layer():
+        qsa_ops.select_paged_tokens(*args)
+        qsa_ops.sparse_paged_attention(
+            q, k_cache, v_cache, sel.out, sel.page_table, sel.token_to_req, 512, att_out
+        )
+        qsa_ops.select_paged_tokens(q2, *args[1:])
+
+    return layer, sel.out, att_out
+
+
+def test_pdl_chain_in_a_graph(cuda_backend, monkeypatch):
+    """With programmatic dependent launch (the default) a kernel may start before the one
+    before it ends; it must still wait for it: the attention reads this replay's indices
+    (poisoned before each replay), and the second selection does not overwrite them before
+    the attention has read them. The results equal those of the same chain run eagerly
+    without it, bit for bit."""
+    layer, idx, att_out = _layer_chain()
+    monkeypatch.setenv(PDL_ENV, "0")
+    layer()
+    torch.cuda.synchronize()
+    expected_idx, expected_att = idx.clone(), att_out.clone()
+    assert not (expected_idx == testing.POISON_INT32).any()
+    assert not expected_att.isnan().any()
+    monkeypatch.delenv(PDL_ENV)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        layer()  # warm: the stream's workspace
+    torch.cuda.synchronize()
+    assert torch.equal(idx, expected_idx) and torch.equal(att_out, expected_att)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        layer()
+    for i in range(REPLAYS):
+        testing.poison_(idx)
+        testing.poison_(att_out)
+        graph.replay()
+        if i % 10 == 9 or i == 0:
+            torch.cuda.synchronize()
+            assert torch.equal(att_out, expected_att), f"replay {i}: attention differs"
+            assert torch.equal(idx, expected_idx), f"replay {i}: selection differs"
+
+
+@pytest.mark.parametrize("op", ["select", "attention"])
+def test_pdl_knob_refuses_unknown_values(cuda_backend, monkeypatch, op):
+    case = _select_case() if op == "select" else _attention_case(2)
+    call = qsa_ops.select_paged_tokens if op == "select" else qsa_ops.sparse_paged_attention
+    monkeypatch.setenv(PDL_ENV, "on")
+    with pytest.raises(RuntimeError, match="QSA_PDL must be '0' or '1', got 'on'"):
+        call(*case.args())
+    torch.cuda.synchronize()
+    if op == "select":
+        assert (case.out == testing.POISON_INT32).all()
+    else:
+        assert case.out.isnan().all()
