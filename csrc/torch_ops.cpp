@@ -611,7 +611,7 @@ bool select_generic_path() {
                            "'");
 }
 
-// QSA_PDL: "0" launches the selection and attention kernels without programmatic dependent
+// QSA_PDL: "0" launches the kernels of the three ops without programmatic dependent
 // launch (csrc/qsa/qsa.h); unset, empty or "1" = with it. Read per call, like the two above.
 bool pdl_enabled() {
   const char* v = std::getenv("QSA_PDL");
@@ -780,6 +780,7 @@ void update_caches(Tensor key, Tensor value, Tensor slot_mapping, Tensor compres
   check_capability(device);
   const DeviceGuard guard(device, "update_caches: selecting the device");
   const cudaStream_t stream = current_stream(device);
+  const bool pdl = pdl_enabled();
   const qsa::UpdateParams p{key.const_data_ptr(),
                             value.const_data_ptr(),
                             static_cast<const int64_t*>(slot_mapping.const_data_ptr()),
@@ -789,7 +790,8 @@ void update_caches(Tensor key, Tensor value, Tensor slot_mapping, Tensor compres
                             compressed_key_cache.mutable_data_ptr(),
                             rows,
                             kv_cache.size(0),
-                            compressed_key_cache.size(0)};
+                            compressed_key_cache.size(0),
+                            pdl};
   check_cuda(qsa::update_caches(p, stream), "update_caches");
 }
 

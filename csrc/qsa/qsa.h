@@ -6,7 +6,7 @@
 // nothing is read back to the host, and nothing is allocated: the entry points are safe inside
 // CUDA-graph capture. Contract constants: contract.h (QSA_*).
 //
-// pdl (selection and attention): the launch carries the programmatic-dependent-launch
+// pdl (selection, attention, cache update): the launch carries the programmatic-dependent-launch
 // attribute, so that its CTAs may become resident while the kernel before it in the stream
 // finishes; each kernel waits for that kernel's completion before its first global access,
 // and lets the kernel after it start once its own heavy traffic is issued. Results are the
@@ -105,6 +105,7 @@ struct UpdateParams {
   int64_t rows;                            // T
   int64_t pages;                           // P
   int64_t compressed_pages;                // Q
+  bool pdl;                                // launched with programmatic dependent launch
 };
 
 // Number of kernel launches one call makes (2: K/V rows, then compressed keys; 0 if T == 0).

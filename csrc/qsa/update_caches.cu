@@ -67,6 +67,7 @@ __global__ void __launch_bounds__(kWriteThreads)
     write_kv_kernel(const __half* __restrict__ key, const __half* __restrict__ value,
                     const int64_t* __restrict__ slots, __half* __restrict__ kv, int64_t rows,
                     int64_t pages) {
+  detail::grid_dependency_wait();  // before the first global access (a launch with pdl)
   const int lane = threadIdx.x % kLanes;
   const int64_t row = int64_t(blockIdx.x) * kRowsPerWriteCta + threadIdx.x / kLanes;
   if (row >= rows) return;
@@ -83,6 +84,7 @@ __global__ void __launch_bounds__(kCompressThreads)
     compress_kernel(const __half* __restrict__ kv, const int64_t* __restrict__ slots,
                     const int64_t* __restrict__ ck_slots, const float* __restrict__ wk,
                     __half* __restrict__ ck, int64_t pages, int64_t ck_pages) {
+  detail::grid_dependency_wait();  // the K/V rows of write_kv_kernel are visible after it
   const int64_t row = blockIdx.x;
   const int64_t s = slots[row];
   const int64_t c = ck_slots[row];
@@ -130,21 +132,28 @@ cudaError_t update_caches(const UpdateParams& p, cudaStream_t stream) {
   const __half* key = static_cast<const __half*>(p.key);
   const __half* value = static_cast<const __half*>(p.value);
   __half* kv = static_cast<__half*>(p.kv);
+  cudaLaunchAttribute attr[1] = {detail::pdl_attribute()};
+  cudaLaunchConfig_t cfg = {};
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = p.pdl ? 1 : 0;
   {  // rows with no valid slot (P == 0 included) return at once: the grid depends on T only
-    const unsigned grid = unsigned((p.rows + kRowsPerWriteCta - 1) / kRowsPerWriteCta);
-    if (aligned16(key) && aligned16(value) && aligned16(kv)) {
-      write_kv_kernel<true><<<grid, kWriteThreads, 0, stream>>>(key, value, p.slot_mapping, kv,
-                                                                p.rows, p.pages);
-    } else {
-      write_kv_kernel<false><<<grid, kWriteThreads, 0, stream>>>(key, value, p.slot_mapping, kv,
-                                                                 p.rows, p.pages);
-    }
-    cudaError_t err = cudaGetLastError();
+    cfg.gridDim = dim3(unsigned((p.rows + kRowsPerWriteCta - 1) / kRowsPerWriteCta));
+    cfg.blockDim = dim3(kWriteThreads);
+    const bool vec16 = aligned16(key) && aligned16(value) && aligned16(kv);
+    cudaError_t err = cudaLaunchKernelEx(&cfg, vec16 ? write_kv_kernel<true> : write_kv_kernel<false>,
+                                         key, value, p.slot_mapping, kv, p.rows, p.pages);
+    if (err == cudaSuccess) err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
-  compress_kernel<<<dim3(unsigned(p.rows), kCompressSlices), kCompressThreads, 0, stream>>>(
-      kv, p.slot_mapping, p.compressed_slot_mapping, p.index_wk,
-      static_cast<__half*>(p.compressed_keys), p.pages, p.compressed_pages);
+  cfg.gridDim = dim3(unsigned(p.rows), kCompressSlices);
+  cfg.blockDim = dim3(kCompressThreads);
+  const __half* kv_in = kv;
+  cudaError_t err = cudaLaunchKernelEx(&cfg, compress_kernel, kv_in, p.slot_mapping,
+                                       p.compressed_slot_mapping, p.index_wk,
+                                       static_cast<__half*>(p.compressed_keys), p.pages,
+                                       p.compressed_pages);
+  if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
 

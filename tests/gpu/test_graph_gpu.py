@@ -226,15 +226,43 @@ def test_pdl_chain_in_a_graph(cuda_backend, monkeypatch):
             assert torch.equal(idx, expected_idx), f"replay {i}: selection differs"
 
 
-@pytest.mark.parametrize("op", ["select", "attention"])
+def _pdl_case(op):
+    """(call, case, outputs) of one op on a small case."""
+    if op == "select":
+        case = _select_case()
+        return qsa_ops.select_paged_tokens, case, (case.out,)
+    if op == "attention":
+        case = _attention_case(2)
+        return qsa_ops.sparse_paged_attention, case, (case.out,)
+    case = testing.make_update_case(64, DEVICE, seed=7)
+    return qsa_ops.update_caches, case, (case.kv_cache, case.compressed_key_cache)
+
+
+@pytest.mark.parametrize("op", ["select", "attention", "update"])
 def test_pdl_knob_refuses_unknown_values(cuda_backend, monkeypatch, op):
-    case = _select_case() if op == "select" else _attention_case(2)
-    call = qsa_ops.select_paged_tokens if op == "select" else qsa_ops.sparse_paged_attention
+    call, case, outputs = _pdl_case(op)
+    before = [t.clone() for t in outputs]
     monkeypatch.setenv(PDL_ENV, "on")
     with pytest.raises(RuntimeError, match="QSA_PDL must be '0' or '1', got 'on'"):
         call(*case.args())
     torch.cuda.synchronize()
-    if op == "select":
-        assert (case.out == testing.POISON_INT32).all()
-    else:
-        assert case.out.isnan().all()
+    for t, b in zip(outputs, before, strict=True):
+        assert torch.equal(t.nan_to_num(7.0), b.nan_to_num(7.0)), "written before the refusal"
+
+
+@pytest.mark.parametrize("op", ["select", "attention", "update"])
+def test_pdl_off_and_on_agree(cuda_backend, monkeypatch, op):
+    """The same call with QSA_PDL=0 and with the default: the same bits."""
+    call, case, outputs = _pdl_case(op)
+    fresh = [t.clone() for t in outputs]
+    monkeypatch.setenv(PDL_ENV, "0")
+    call(*case.args())
+    torch.cuda.synchronize()
+    off = [t.clone() for t in outputs]
+    for t, f in zip(outputs, fresh, strict=True):
+        t.copy_(f)
+    monkeypatch.delenv(PDL_ENV)
+    call(*case.args())
+    torch.cuda.synchronize()
+    for t, o in zip(outputs, off, strict=True):
+        assert torch.equal(t.nan_to_num(7.0), o.nan_to_num(7.0))
