@@ -157,8 +157,8 @@ def sparse_paged_attention_ref(
 ) -> torch.Tensor:
     """Reference of ``sparse_paged_attention`` (contract section 2); writes and returns ``out``.
 
-    float32 math, float16 result; a row without any valid entry (or with an invalid request)
-    is written as zeros, never NaN.
+    float32 math (the two matmuls accumulate in float64, rounded to float32), float16 result;
+    a row without any valid entry (or with an invalid request) is written as zeros, never NaN.
     """
     scale = resolve_softmax_scale(softmax_scale)
     rows = q.shape[0]
@@ -181,19 +181,22 @@ def sparse_paged_attention_ref(
     heads = q.shape[1]
     ninf = torch.full((), float("-inf"), device=q.device)
     for s in _row_chunks(rows, heads * WIDTH * HEAD_DIM):
-        keys = k_cache[phys[s], slot[s], 0].float()  # [C, W, 256]
-        values = v_cache[phys[s], slot[s], 0].float()  # [C, W, 256]
-        # NOTES: batched float32 matmuls (not elementwise products) here: attention is checked
-        # to a tolerance, and the [C, 3, W, 256] temporaries of the elementwise form made the
-        # CPU reference ~5x slower at R = 2300 (vLLM prefill on CPU). Reduced-precision matmul
-        # settings (TF32, bf16) would apply; the tests run with torch's default (full float32).
-        logits = torch.matmul(q[s].float(), keys.transpose(1, 2)) * scale  # [C, 3, W]
+        keys = k_cache[phys[s], slot[s], 0].double()  # [C, W, 256]
+        values = v_cache[phys[s], slot[s], 0].double()  # [C, W, 256]
+        # NOTES: batched matmuls (not elementwise products) here: attention is checked to a
+        # tolerance, and the [C, 3, W, 256] temporaries of the elementwise form made the CPU
+        # reference ~5x slower at R = 2300 (vLLM prefill on CPU). They accumulate in float64
+        # and are rounded to float32: a BLAS may split a sum differently with the batch size
+        # (MKL on 2 threads splits the 2051-term value sum of a single row, not of a batch),
+        # and in float32 that made a row's result depend on the other rows of the call; in
+        # float64 the difference almost never survives the rounding (float32, then float16).
+        logits = torch.matmul(q[s].double(), keys.transpose(1, 2)).float() * scale  # [C, 3, W]
         logits = torch.where(valid[s, None, :], logits, ninf)
         row_max = logits.amax(dim=-1, keepdim=True)
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
         weights = torch.exp(logits - row_max)  # exp(-inf) = 0 for holes
         denom = weights.sum(dim=-1, keepdim=True)  # [C, 3, 1]
-        numer = torch.matmul(weights, values)  # [C, 3, 256]
+        numer = torch.matmul(weights.double(), values).float()  # [C, 3, 256]
         result = numer / torch.where(denom > 0, denom, torch.ones_like(denom))
         out[s].copy_(result)
     return out
