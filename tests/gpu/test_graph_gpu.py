@@ -165,7 +165,7 @@ def test_graph_unwarmed_stream_one_fill(cuda_backend, op):
     assert len(others) <= 1, f"more than one fill per replay: {others}"
 
 
-PDL_ENV = "QSA_PDL"  # programmatic dependent launch of the two kernels: on unless "0"
+PDL_ENV = "QSA_PDL"  # programmatic dependent launch of the three ops' kernels: on unless "0"
 
 
 def _layer_chain():
