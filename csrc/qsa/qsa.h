@@ -44,7 +44,7 @@ struct SelectParams {
   int32_t* counters;              // >= select_counter_slots() int32, zero on first use;
                                   // every call leaves them zero again
   bool generic_path;              // every row through the generic select (tests)
-  bool pdl;                       // launched with programmatic dependent launch (see below)
+  bool pdl;                       // launched with programmatic dependent launch (see above)
 };
 
 // Bytes of scratch the selection needs: one uint32 score key per candidate block of a group
@@ -78,7 +78,7 @@ struct AttentionParams {
   size_t workspace_bytes;
   int32_t* counters;               // >= attention_counter_slots() int32, zero on first use;
                                    // every call leaves them zero again
-  bool pdl;                        // launched with programmatic dependent launch (see below)
+  bool pdl;                        // launched with programmatic dependent launch (see above)
 };
 
 // How many CTAs share one row (the split of the 2051 columns); 1 for large R.

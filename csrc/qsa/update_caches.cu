@@ -141,15 +141,15 @@ cudaError_t update_caches(const UpdateParams& p, cudaStream_t stream) {
     cfg.gridDim = dim3(unsigned((p.rows + kRowsPerWriteCta - 1) / kRowsPerWriteCta));
     cfg.blockDim = dim3(kWriteThreads);
     const bool vec16 = aligned16(key) && aligned16(value) && aligned16(kv);
-    cudaError_t err = cudaLaunchKernelEx(&cfg, vec16 ? write_kv_kernel<true> : write_kv_kernel<false>,
-                                         key, value, p.slot_mapping, kv, p.rows, p.pages);
+    auto* kernel = vec16 ? write_kv_kernel<true> : write_kv_kernel<false>;
+    cudaError_t err =
+        cudaLaunchKernelEx(&cfg, kernel, key, value, p.slot_mapping, kv, p.rows, p.pages);
     if (err == cudaSuccess) err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
   cfg.gridDim = dim3(unsigned(p.rows), kCompressSlices);
   cfg.blockDim = dim3(kCompressThreads);
-  const __half* kv_in = kv;
-  cudaError_t err = cudaLaunchKernelEx(&cfg, compress_kernel, kv_in, p.slot_mapping,
+  cudaError_t err = cudaLaunchKernelEx(&cfg, compress_kernel, kv, p.slot_mapping,
                                        p.compressed_slot_mapping, p.index_wk,
                                        static_cast<__half*>(p.compressed_keys), p.pages,
                                        p.compressed_pages);

@@ -46,6 +46,13 @@ def select_corpus():
     yield testing.random_select_case(
         4, 2, 64, 96, device=DEVICE, seed=21, integer=True, bad_values=False, name="long rows"
     )
+    # rows of 2 and 4 CTAs over 64 pages (on 132 SMs)
+    yield testing.random_select_case(
+        64, 3, 64, 96, device=DEVICE, seed=24, integer=True, name="rows of 2 CTAs"
+    )
+    yield testing.random_select_case(
+        33, 3, 64, 96, device=DEVICE, seed=25, integer=True, name="rows of 4 CTAs"
+    )
     # rows of more than 16,384 blocks (32,768, 21,504 and 43,008): the last CTA streams them
     yield testing.random_select_case(
         3, 2, 336, 340, device=DEVICE, seed=22, integer=True, bad_values=False,

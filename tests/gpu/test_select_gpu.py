@@ -136,6 +136,26 @@ def test_duplicate_pages_long_context(cuda_backend, select_path):
     check_rows(case, out, exact=True, limit=2)
 
 
+@pytest.mark.parametrize("R", [16, 33, 44, 64])
+def test_rows_of_2_to_8_ctas_exact(cuda_backend, select_path, R):
+    """Rows of 2 to 8 CTAs over a resident table of 64 pages (on 132 SMs: R = 64 takes 2 CTAs
+    per row, 44 takes 3, 33 takes 4, 16 takes 8), with holes, short rows and invalid requests
+    among them: bit-exact with the reference."""
+    case = testing.random_select_case(R, 5, 64, 300, device=DEVICE, seed=40 + R, integer=True)
+    out = run_cuda(case)
+    assert_equal_reference(case, out)
+    check_rows(case, out, exact=True, limit=4)
+
+
+def test_rows_of_2_ctas_mass_ties(cuda_backend, select_path):
+    """Mass ties in rows of 2 CTAs: the bins overflow the fast path's buffer and the row's last
+    CTA runs the generic path over the keys of both."""
+    positions = [32767 - 300 * r for r in range(64)]
+    case = _one_request(64, 32768, positions, seed=13, sparse=True, name="ties_2_ctas")
+    out = run_cuda(case)
+    assert_equal_reference(case, out)
+
+
 def test_prefill_chunk_2048_rows(cuda_backend):
     """A prefill chunk: 2,048 rows of one request at consecutive positions."""
     start = 6000
