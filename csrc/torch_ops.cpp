@@ -848,16 +848,21 @@ QSA_EXPORT const char* qsa_build_info_json() {
 }
 
 // The split count a call would take now (QSA_ATTN_SPLITS read here, as by the op); -1 when the
-// variable is malformed (the op raises).
+// variable is malformed: the op's refusal then reads qsa_attention_splits_error(), so that the
+// text exists once.
+thread_local std::string splits_error;  // this thread's last refusal, "" after a success
 QSA_EXPORT int qsa_attention_splits(int64_t rows, int device) {
   int requested = 0;
   try {
     requested = requested_splits();
-  } catch (const std::exception&) {
+  } catch (const std::exception& e) {
+    splits_error = e.what();
     return -1;
   }
+  splits_error.clear();
   return qsa::attention_splits(rows, requested, device);
 }
+QSA_EXPORT const char* qsa_attention_splits_error() { return splits_error.c_str(); }
 QSA_EXPORT int64_t qsa_select_launch_count(int64_t rows, int64_t table_width) {
   return qsa::select_launch_count(rows, table_width);
 }

@@ -301,6 +301,8 @@ def _clib() -> ctypes.CDLL:
     lib.qsa_build_info_json.restype = ctypes.c_char_p
     lib.qsa_attention_splits.restype = ctypes.c_int
     lib.qsa_attention_splits.argtypes = (ctypes.c_int64, ctypes.c_int)
+    lib.qsa_attention_splits_error.restype = ctypes.c_char_p
+    lib.qsa_attention_splits_error.argtypes = ()
     lib.qsa_select_launch_count.restype = ctypes.c_int64
     lib.qsa_select_launch_count.argtypes = (ctypes.c_int64, ctypes.c_int64)
     lib.qsa_attention_launch_count.restype = ctypes.c_int64
@@ -325,11 +327,10 @@ def attention_splits(rows: int, device: int | None = None) -> int:
     """CTAs that share one attention row for ``rows`` rows, as a call would take them now
     (the library reads QSA_ATTN_SPLITS, which overrides; ValueError when it is malformed)."""
     index = torch.cuda.current_device() if device is None else device
-    n = int(_clib().qsa_attention_splits(rows, index))
+    lib = _clib()
+    n = int(lib.qsa_attention_splits(rows, index))
     if n < 0:
-        raise ValueError(
-            f"{SPLITS_ENV} must be a non-negative integer, got {os.environ.get(SPLITS_ENV)!r}"
-        )
+        raise ValueError(lib.qsa_attention_splits_error().decode())  # the op's own refusal
     return n
 
 
