@@ -1,7 +1,9 @@
 // Device helpers shared by the QSA kernels (internal; not part of the interface).
 #pragma once
 
+#include <cuda.h>  // the driver's types only: its entry points are resolved at run time
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -17,6 +19,56 @@ inline int sm_count(int device = -1) {
     return 132;
   }
   return sms > 0 ? sms : 132;
+}
+
+// The two driver calls that tell a stream's SM partition (CUDA 12.4+ drivers), resolved once
+// through the runtime, so that the library links no driver library; null where the driver
+// has none.
+struct GreenCtxApi {
+  CUresult (*stream_green_ctx)(CUstream, CUgreenCtx*) = nullptr;
+  CUresult (*green_ctx_resource)(CUgreenCtx, CUdevResource*, CUdevResourceType) = nullptr;
+};
+
+inline const GreenCtxApi& green_ctx_api() {
+  static const GreenCtxApi api = [] {
+    GreenCtxApi a;
+    void* f = nullptr;
+    void* g = nullptr;
+    cudaDriverEntryPointQueryResult qf = cudaDriverEntryPointSymbolNotFound;
+    cudaDriverEntryPointQueryResult qg = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuStreamGetGreenCtx", &f, 12040, cudaEnableDefault,
+                                         &qf) == cudaSuccess &&
+        cudaGetDriverEntryPointByVersion("cuGreenCtxGetDevResource", &g, 12040,
+                                         cudaEnableDefault, &qg) == cudaSuccess &&
+        qf == cudaDriverEntryPointSuccess && qg == cudaDriverEntryPointSuccess && f && g) {
+      a.stream_green_ctx = reinterpret_cast<decltype(a.stream_green_ctx)>(f);
+      a.green_ctx_resource = reinterpret_cast<decltype(a.green_ctx_resource)>(g);
+    }
+    (void)cudaGetLastError();
+    return a;
+  }();
+  return api;
+}
+
+// The SMs a launch on `stream` runs on: the SM count of the stream's green context where it
+// belongs to one (a partitioned device; for the NULL and legacy streams, the green context
+// current on this thread), else `whole` (the device's, sm_count()). Grids that must be resident at once
+// (cooperative launches) are sized by this, not by the device: a cooperative launch captured
+// into a graph is not refused there the way an eager one is, and its CTAs would wait at
+// replay for CTAs that never become resident (NOTES-kernels.md, "The ops on a partitioned
+// device").
+inline int stream_sm_count(cudaStream_t stream, int whole) {
+  const GreenCtxApi& api = green_ctx_api();
+  if (api.stream_green_ctx == nullptr) return whole;
+  CUgreenCtx green = nullptr;
+  if (api.stream_green_ctx(reinterpret_cast<CUstream>(stream), &green) != CUDA_SUCCESS ||
+      green == nullptr) {
+    return whole;
+  }
+  CUdevResource r = {};
+  if (api.green_ctx_resource(green, &r, CU_DEV_RESOURCE_TYPE_SM) != CUDA_SUCCESS) return whole;
+  const int n = static_cast<int>(r.sm.smCount);
+  return n > 0 && n < whole ? n : whole;
 }
 
 // Eight consecutive halves. kVec16: one 16-byte load (the pointer is 16-byte aligned);

@@ -867,6 +867,8 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
   const bool vec16 = detail::aligned16(p.q) && detail::aligned16(p.compressed_keys);
   const int64_t g = group_rows(p.rows, p.table_width);
   const int64_t chunks = std::max<int64_t>(1, (ncap + kScoreChunk - 1) / kScoreChunk);
+  // The SMs of the stream's partition (the device's, where it is not partitioned).
+  const int64_t sms = detail::stream_sm_count(stream, detail::sm_count());
   for (int64_t row0 = 0; row0 < p.rows; row0 += g) {
     const int64_t n = std::min<int64_t>(g, p.rows - row0);
     // NOTES: up to one row per SM, one wave: the grid is at most one CTA per SM (short
@@ -877,7 +879,6 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     // per SM). v7n: more rows than SMs take 4 CTAs per row (several waves, so that a row's
     // select overlaps the other SMs' scoring instead of every SM selecting at once at the
     // end of a wave).
-    const int64_t sms = detail::sm_count();
     const int64_t per_row = n > sms ? kWideCtas : std::max<int64_t>(1, sms / n);
     // v7w: a launch without streamed rows spreads a short row over up to one CTA per warp
     // chunk (16 blocks) instead of one per page.
@@ -893,7 +894,7 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     if (p.pdl) attr[cfg.numAttrs++] = detail::pdl_attribute();
     // NOTES: the distributed select waits for the row's other CTAs: the grid must be resident
     // at once (cooperative; refused where it is not, and the call then runs the last-CTA
-    // select). Rows at most one per SM make at most one CTA per SM.
+    // select). Rows at most one per SM of the stream's partition make at most one CTA per SM.
     uint32_t* dist = nullptr;
     if (n <= sms && n <= dist_rows(p.rows, p.table_width) &&
         chunks <= kDistPages * kGroups * ctas) {

@@ -723,8 +723,9 @@ constexpr int small_splits() {
   return (kWidth + 8 * kT - 1) / (8 * kT);
 }
 
+// CTAs of the decode-size kernel resident per SM (the smaller of its two variants).
 template <int kT>
-int64_t small_resident(int device) {
+int64_t small_per_sm(int device) {
   static std::atomic<int64_t> cached[64];
   if (device < 0 || device >= 64) return 0;
   int64_t n = cached[device].load(std::memory_order_relaxed);
@@ -737,16 +738,17 @@ int64_t small_resident(int device) {
       (void)cudaGetLastError();
       a = b = 0;
     }
-    n = int64_t(std::max(std::min(a, b), 0)) * detail::sm_count(device) + 1;  // 0 = not asked yet
+    n = int64_t(std::max(std::min(a, b), 0)) + 1;  // 0 = not asked yet
     cached[device].store(n, std::memory_order_relaxed);
   }
   return n - 1;
 }
 
-Path choose_path(int64_t rows, int requested, int device) {
+// sms: the SMs the launch runs on (the device's, or its stream's partition).
+Path choose_path(int64_t rows, int requested, int device, int64_t sms) {
   if (rows <= 0 || requested > 0 || rows > kSmallMaxRows) return Path::kCluster;
-  const bool fits4 = rows * small_splits<4>() <= small_resident<4>(device);
-  const bool fits8 = rows * small_splits<8>() <= small_resident<8>(device);
+  const bool fits4 = rows * small_splits<4>() <= small_per_sm<4>(device) * sms;
+  const bool fits8 = rows * small_splits<8>() <= small_per_sm<8>(device) * sms;
   if (rows <= 2 && fits4) return Path::kSmall4;
   if (fits8) return Path::kSmall8;
   return fits4 ? Path::kSmall4 : Path::kCluster;
@@ -771,25 +773,24 @@ cudaError_t launch_cluster(const cudaLaunchConfig_t& cfg, bool vec16, const Atte
 
 
 // The cluster kernel's split count (also the fallback when a cooperative grid is refused).
-int cluster_splits(int64_t rows, int requested, int device) {
+int cluster_splits(int64_t rows, int requested, int64_t sms) {
   if (requested > 0) return legal_splits(rows, requested);
   // NOTES: anchored on the L2-cold split sweep of the H200 (NOTES-kernels.md, v6a): the best
   // grids were 64 CTAs at R=1 (8 clusters of 8), 192 at R=8 (24 splits), 128 at R=64 (2) and
   // 256 at R=256 (1). Grids near 2 CTAs per SM with clusters (R=8 x 32, R=64 x 4) lost
   // 20-30%: not every cluster is resident at once. Small batches aim at 1.5 CTAs per SM
   // (at most 64 splits), larger ones at one CTA per SM; legal_splits rounds down.
-  const int64_t sms = detail::sm_count(device);
   int64_t sp = rows <= kMaxCluster ? std::min<int64_t>(64, (3 * sms / 2) / rows)
                                    : std::min<int64_t>(kMaxCluster, sms / rows);
   sp = std::max<int64_t>(sp, 1);
   return legal_splits(rows, static_cast<int>(sp));
 }
 
-int path_splits(Path path, int64_t rows, int requested, int device) {
+int path_splits(Path path, int64_t rows, int requested, int64_t sms) {
   switch (path) {
     case Path::kSmall4: return small_splits<4>();
     case Path::kSmall8: return small_splits<8>();
-    default: return cluster_splits(rows, requested, device);
+    default: return cluster_splits(rows, requested, sms);
   }
 }
 
@@ -807,13 +808,15 @@ using namespace attention_impl;
 
 int attention_splits(int64_t rows, int requested, int device) {
   if (rows <= 0) return 1;
-  return path_splits(choose_path(rows, requested, device), rows, requested, device);
+  const int64_t sms = detail::sm_count(device);
+  return path_splits(choose_path(rows, requested, device, sms), rows, requested, sms);
 }
 
 size_t attention_workspace_bytes(int64_t rows, int requested, int device) {
   if (rows <= 0) return 0;
-  const Path path = choose_path(rows, requested, device);
-  return path_workspace(path, rows, path_splits(path, rows, requested, device));
+  const int64_t sms = detail::sm_count(device);
+  const Path path = choose_path(rows, requested, device, sms);
+  return path_workspace(path, rows, path_splits(path, rows, requested, sms));
 }
 
 int64_t attention_counter_slots() { return kCounterSlots; }
@@ -825,11 +828,29 @@ cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  const Path path = choose_path(p.rows, p.splits, device);
-  int splits = path_splits(path, p.rows, p.splits, device);
+  // The workspace was sized for the whole device (attention_workspace_bytes).
+  const int64_t whole = detail::sm_count(device);
+  Path path = choose_path(p.rows, p.splits, device, whole);
+  int splits = path_splits(path, p.rows, p.splits, whole);
   const size_t need = path_workspace(path, p.rows, splits);
   if (p.workspace_bytes < need || (p.counters == nullptr && (need > 0 || path != Path::kCluster))) {
     return cudaErrorInvalidValue;
+  }
+  // NOTES: a stream of a partition (green context) of fewer SMs: the decode-size grid only
+  // where it is resident on the partition (decided here: a cooperative launch captured into a
+  // graph is not refused, and its mergers would wait at replay for CTAs that never start),
+  // else the cluster kernel; its splits sized for the partition where the workspace covers
+  // them (the small path's workspace covers the cluster kernel's).
+  const int64_t sms = detail::stream_sm_count(stream, static_cast<int>(whole));
+  if (sms < whole) {
+    if (path != Path::kCluster && choose_path(p.rows, p.splits, device, sms) != path) {
+      path = Path::kCluster;
+      splits = cluster_splits(p.rows, p.splits, whole);
+    }
+    const int part = cluster_splits(p.rows, p.splits, sms);
+    if (path == Path::kCluster && path_workspace(path, p.rows, part) <= p.workspace_bytes) {
+      splits = part;
+    }
   }
   const bool vec16 = detail::aligned16(p.q) && detail::aligned16(p.kv);
   float* parts = static_cast<float*>(p.workspace);
@@ -852,11 +873,11 @@ cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream
       if (err != cudaSuccess) return err;
       return cudaGetLastError();
     }
-    // Fewer SMs than the device reports (a partitioned device): the cluster kernel, whose
-    // workspace and counters the small path's cover.
+    // Not every CTA resident after all: the cluster kernel, whose workspace and counters the
+    // small path's cover.
     (void)cudaGetLastError();
     cfg.numAttrs = common_attrs;
-    splits = cluster_splits(p.rows, p.splits, device);
+    splits = cluster_splits(p.rows, p.splits, sms);
   }
   const int csize = cluster_size(splits);
   cfg.gridDim = dim3(static_cast<unsigned>(p.rows), static_cast<unsigned>(splits));
@@ -870,7 +891,7 @@ cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream
   }
   // NOTES: at most one CTA per SM (the split rule's grids from 9 to 132 rows): the deep
   // variant (NOTES-kernels.md, v9a).
-  const bool deep = p.rows * splits <= detail::sm_count(device);
+  const bool deep = p.rows * splits <= sms;
   err = deep ? launch_cluster<true>(cfg, vec16, p, splits, csize, parts)
              : launch_cluster<false>(cfg, vec16, p, splits, csize, parts);
   if (err != cudaSuccess) return err;
