@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -193,6 +194,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sms", type=int, required=True, help="SMs of the partition")
     args = parser.parse_args()
+    # the suite's helpers sit beside this file; the pipeline runs with PYTHONSAFEPATH set, so
+    # the script's own folder is not on the path by itself
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     try:
         result = graph_check(args.sms)
     except Unsupported as exc:
