@@ -1,10 +1,11 @@
 """A stream of a CUDA green context (an SM partition of the device), and the graph check on it.
 
 ``green_stream(sms)`` makes the green context with the CUDA driver's own API (ctypes), so that
-the GPU suite needs no binding package; it raises ``Unsupported`` (the test skips with the
-reason) where the driver or the device has no green contexts.
+the GPU suite needs no binding package; ``torch_green_stream(sms)`` with torch's own
+``torch.cuda.GreenContext`` (what a user of torch would take). Both raise ``Unsupported`` (the
+test skips with the reason) where the driver, the device or torch has no green contexts.
 
-    python tests/gpu/green_ctx.py --sms 16
+    python tests/gpu/green_ctx.py --sms 16 [--api torch]
 
 runs the graph check (what test_partitioned_gpu.py runs in a child process, so that a replay
 that never finishes fails one test instead of stopping the suite): both ops captured into one
@@ -110,6 +111,19 @@ def green_stream(sms: int, device: str = "cuda"):
         cu("cuGreenCtxDestroy", ctx)
 
 
+@contextlib.contextmanager
+def torch_green_stream(sms: int, device: str = "cuda"):
+    """(the stream of a ``torch.cuda.GreenContext`` of ``sms`` SMs, ``sms``)."""
+    from torch.cuda import green_contexts
+
+    if not getattr(green_contexts, "SUPPORTED", False):
+        raise Unsupported(f"torch {torch.__version__} was built without green contexts")
+    torch.zeros(1, device=device)
+    ctx = green_contexts.GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
+    yield ctx.Stream(), sms
+    torch.cuda.synchronize()
+
+
 def on_stream(stream, call):
     """call() on ``stream``, ordered after the default stream's work and waited for."""
     torch.cuda.synchronize()
@@ -132,14 +146,15 @@ def _wait(stream, what: str) -> None:
         time.sleep(0.001)
 
 
-def graph_check(sms: int) -> dict:
+def graph_check(sms: int, api: str = "driver") -> dict:
     """Both ops captured into one graph on a partition's stream, replayed REPLAYS times."""
     from gpu_helpers import DEVICE, reference_select
 
     from custom_esimd_kernels_vllm import qsa_ops
     from custom_esimd_kernels_vllm.qsa_ops import KV_PAGE, testing
 
-    with green_stream(sms) as (stream, got):
+    make = torch_green_stream if api == "torch" else green_stream
+    with make(sms) as (stream, got):
         selects = [
             testing.random_select_case(
                 1,
@@ -193,12 +208,18 @@ def graph_check(sms: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sms", type=int, required=True, help="SMs of the partition")
+    parser.add_argument(
+        "--api",
+        choices=("driver", "torch"),
+        default="driver",
+        help="who makes the green context: the driver (ctypes) or torch",
+    )
     args = parser.parse_args()
     # the suite's helpers sit beside this file; the pipeline runs with PYTHONSAFEPATH set, so
     # the script's own folder is not on the path by itself
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     try:
-        result = graph_check(args.sms)
+        result = graph_check(args.sms, args.api)
     except Unsupported as exc:
         result = {"ok": True, "skipped": str(exc)}
     print(json.dumps(result), flush=True)

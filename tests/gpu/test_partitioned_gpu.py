@@ -80,14 +80,16 @@ def test_attention_on_partition(cuda_backend, partition, R):
     assert err < testing.ATTENTION_TOLERANCE, f"{case!r}: relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("api", ["driver", "torch"])
 @pytest.mark.parametrize("sms", PARTITIONS)
-def test_graph_on_partition(cuda_backend, sms):
+def test_graph_on_partition(cuda_backend, sms, api):
     """Both ops (the distributed row, P8192, attention R = 1 and 8) captured into one graph
     on the partition's stream: 20 replays from poisoned outputs, each equal to the eager
-    result there (tests/gpu/green_ctx.py, in a child process with a deadline per replay)."""
+    result there (tests/gpu/green_ctx.py, in a child process with a deadline per replay); the
+    green context made by the driver's API or by torch's ``torch.cuda.GreenContext``."""
     try:
         run = subprocess.run(
-            [sys.executable, str(GRAPH_CHECK), "--sms", str(sms)],
+            [sys.executable, str(GRAPH_CHECK), "--sms", str(sms), "--api", api],
             capture_output=True, text=True, timeout=GRAPH_CHECK_TIMEOUT_S,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
