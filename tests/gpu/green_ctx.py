@@ -11,7 +11,7 @@ runs the graph check (what test_partitioned_gpu.py runs in a child process, so t
 that never finishes fails one test instead of stopping the suite): both ops captured into one
 CUDA graph on the partition's stream, replayed from poisoned outputs, every replay equal to
 the eager result on the same stream and the selection to the reference. Prints one JSON line
-and exits 0 when the check passes, 1 when a result differs.
+and exits 0 when the check passes, 1 when a result differs, 3 when a replay does not finish.
 """
 
 from __future__ import annotations
@@ -146,30 +146,31 @@ def _wait(stream, what: str) -> None:
         time.sleep(0.001)
 
 
+def distributed_row_case():
+    """One row of 336 pages: on the whole device, every CTA of it selects (the distributed
+    select, a cooperative grid)."""
+    from gpu_helpers import DEVICE
+
+    from custom_esimd_kernels_vllm.qsa_ops import KV_PAGE, testing
+
+    return testing.random_select_case(
+        1, 1, 336, 340, device=DEVICE, seed=23, integer=True, bad_values=False,
+        token_to_req=[0], query_positions=[336 * KV_PAGE - 1],
+        sequence_lengths=[336 * KV_PAGE], name="distributed row",
+    )  # fmt: skip
+
+
 def graph_check(sms: int, api: str = "driver") -> dict:
     """Both ops captured into one graph on a partition's stream, replayed REPLAYS times."""
     from gpu_helpers import DEVICE, reference_select
 
     from custom_esimd_kernels_vllm import qsa_ops
-    from custom_esimd_kernels_vllm.qsa_ops import KV_PAGE, testing
+    from custom_esimd_kernels_vllm.qsa_ops import testing
 
     make = torch_green_stream if api == "torch" else green_stream
     with make(sms) as (stream, got):
         selects = [
-            testing.random_select_case(
-                1,
-                1,
-                336,
-                340,
-                device=DEVICE,
-                seed=23,
-                integer=True,
-                bad_values=False,
-                token_to_req=[0],
-                query_positions=[336 * KV_PAGE - 1],
-                sequence_lengths=[336 * KV_PAGE],
-                name="distributed row",
-            ),  # fmt: skip
+            distributed_row_case(),
             testing.make_select_case("p8192_saturated", 1, DEVICE, seed=6),
         ]
         attentions = [

@@ -6,8 +6,8 @@ the selection's distributed select and the decode-size attention, only where the
 resident there; else their fallbacks, the last-CTA select and the cluster kernel). Everything
 must stay exact, eager and in CUDA graphs captured on such a stream (the graph check runs in a
 child process: a replay that waits for CTAs that never start would not finish). The green
-context is made with the CUDA driver's own API (tests/gpu/green_ctx.py); the tests skip, with
-the reason, where the driver has none.
+context is made with the CUDA driver's own API, and for the graph check also with torch's
+(tests/gpu/green_ctx.py); the tests skip, with the reason, where there is none.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 from gpu_helpers import DEVICE, reference_attention, reference_select
-from green_ctx import Unsupported, green_stream, on_stream
+from green_ctx import Unsupported, distributed_row_case, green_stream, on_stream
 
 from custom_esimd_kernels_vllm import qsa_ops
-from custom_esimd_kernels_vllm.qsa_ops import KV_PAGE, testing
+from custom_esimd_kernels_vllm.qsa_ops import testing
 
 pytestmark = pytest.mark.gpu
 
@@ -45,13 +45,7 @@ def partition(request):
 
 
 def _select_cases():
-    # one row of 336 pages: on the whole device, every CTA of it selects (the distributed
-    # select, a cooperative grid)
-    yield testing.random_select_case(
-        1, 1, 336, 340, device=DEVICE, seed=23, integer=True, bad_values=False,
-        token_to_req=[0], query_positions=[336 * KV_PAGE - 1],
-        sequence_lengths=[336 * KV_PAGE], name="distributed row",
-    )  # fmt: skip
+    yield distributed_row_case()
     yield testing.random_select_case(
         64, 3, 64, 96, device=DEVICE, seed=24, integer=True, name="rows of 2 CTAs"
     )
