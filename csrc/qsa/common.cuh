@@ -52,11 +52,11 @@ inline const GreenCtxApi& green_ctx_api() {
 
 // The SMs a launch on `stream` runs on: the SM count of the stream's green context where it
 // belongs to one (a partitioned device; for the NULL and legacy streams, the green context
-// current on this thread), else `whole` (the device's, sm_count()). Grids that must be resident at once
-// (cooperative launches) are sized by this, not by the device: a cooperative launch captured
-// into a graph is not refused there the way an eager one is, and its CTAs would wait at
-// replay for CTAs that never become resident (NOTES-kernels.md, "The ops on a partitioned
-// device").
+// current on this thread), else `whole` (the device's, sm_count()). Grids that must be
+// resident at once (cooperative launches) are sized by this, not by the device: a cooperative
+// launch captured into a graph is not refused there the way an eager one is, and its CTAs
+// would wait at replay for CTAs that never become resident (NOTES-kernels.md, "The ops on a
+// partitioned device").
 inline int stream_sm_count(cudaStream_t stream, int whole) {
   const GreenCtxApi& api = green_ctx_api();
   if (api.stream_green_ctx == nullptr) return whole;

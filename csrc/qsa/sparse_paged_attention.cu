@@ -839,18 +839,14 @@ cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream
   // NOTES: a stream of a partition (green context) of fewer SMs: the decode-size grid only
   // where it is resident on the partition (decided here: a cooperative launch captured into a
   // graph is not refused, and its mergers would wait at replay for CTAs that never start),
-  // else the cluster kernel; its splits sized for the partition where the workspace covers
-  // them (the small path's workspace covers the cluster kernel's).
+  // else the cluster kernel with the partition's splits. That needs no more workspace than
+  // the device's path: cluster_splits and its workspace grow with the SMs, and the small
+  // path's workspace covers the cluster kernel's.
   const int64_t sms = detail::stream_sm_count(stream, static_cast<int>(whole));
-  if (sms < whole) {
-    if (path != Path::kCluster && choose_path(p.rows, p.splits, device, sms) != path) {
-      path = Path::kCluster;
-      splits = cluster_splits(p.rows, p.splits, whole);
-    }
-    const int part = cluster_splits(p.rows, p.splits, sms);
-    if (path == Path::kCluster && path_workspace(path, p.rows, part) <= p.workspace_bytes) {
-      splits = part;
-    }
+  if (sms < whole &&
+      (path == Path::kCluster || choose_path(p.rows, p.splits, device, sms) != path)) {
+    path = Path::kCluster;
+    splits = cluster_splits(p.rows, p.splits, sms);
   }
   const bool vec16 = detail::aligned16(p.q) && detail::aligned16(p.kv);
   float* parts = static_cast<float*>(p.workspace);
