@@ -52,6 +52,16 @@ def test_graph_select(cuda_backend, warm):
     _replay_identical(lambda: qsa_ops.select_paged_tokens(*case.args()), case.out, expected, stream)
 
 
+def test_graph_select_distributed(cuda_backend):
+    """The distributed select (every CTA of one 336-page row selects, its row state in the
+    workspace and the counters) replayed bit for bit."""
+    from green_ctx import distributed_row_case
+
+    case = distributed_row_case()
+    expected = reference_select(case)
+    _replay_identical(lambda: qsa_ops.select_paged_tokens(*case.args()), case.out, expected)
+
+
 @pytest.mark.parametrize("warm", [True, False])
 @pytest.mark.parametrize("R", [1, 300])
 def test_graph_attention(cuda_backend, R, warm):

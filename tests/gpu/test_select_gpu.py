@@ -119,6 +119,37 @@ def test_context_163840_streamed(cuda_backend, select_path):
     assert_equal_reference(case, out)
 
 
+def test_distributed_short_row(cuda_backend, select_path):
+    """A short row (375 blocks, all of them win) in a launch of the distributed select (a table
+    of 256 pages), beside a row of 20,000 blocks."""
+    gen = torch.Generator().manual_seed(21)
+    table = torch.randperm(256, generator=gen).tolist()
+    case = testing.random_select_case(
+        2, 2, 256, 256, device=DEVICE, seed=21, integer=True, bad_values=False,
+        page_table=[table, table[::-1]], token_to_req=[0, 1], query_positions=[1499, 79999],
+        sequence_lengths=[1500, 80000], name="dist_short",
+    )  # fmt: skip
+    out = run_cuda(case)
+    assert_equal_reference(case, out)
+
+
+def test_distributed_wide_octaves(cuda_backend, select_path):
+    """Scores over ~35 octaves in a distributed row: 100 blocks 2^23 times larger than the
+    rest, and the 512-th key among the small ones, further below the largest key than the
+    first digit's 16 octaves reach. Integer keys times powers of two keep every sum exact, so
+    the result equals the reference bit for bit."""
+    case = _one_request(1, 163840, [163839], seed=22, name="ctx160k_octaves")
+    gen = torch.Generator().manual_seed(22)
+    ck = case.compressed_key_cache  # [P, 128, 1, 128]
+    ints = torch.randint(-8, 9, ck.shape, generator=gen, dtype=torch.int32)
+    exp = torch.full(ck.shape[:2], -12, dtype=torch.int32)
+    exp.view(-1)[torch.randperm(exp.numel(), generator=gen)[:100]] = 11
+    scale = torch.pow(2.0, exp.double())[:, :, None, None]
+    ck.copy_((ints.double() * scale).to(ck.dtype))
+    out = run_cuda(case)
+    assert_equal_reference(case, out)
+
+
 def test_context_131072_mass_ties(cuda_backend, select_path):
     case = _one_request(2, 131072, [131071, 100000], seed=8, sparse=True, name="ctx128k_ties")
     out = run_cuda(case)
