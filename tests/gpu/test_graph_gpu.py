@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gpu_helpers import DEVICE, reference_select
+from green_ctx import distributed_row_case
 from torch.profiler import ProfilerActivity, profile
 
 from custom_esimd_kernels_vllm import qsa_ops
@@ -55,8 +56,6 @@ def test_graph_select(cuda_backend, warm):
 def test_graph_select_distributed(cuda_backend):
     """The distributed select (every CTA of one 336-page row selects, its row state in the
     workspace and the counters) replayed bit for bit."""
-    from green_ctx import distributed_row_case
-
     case = distributed_row_case()
     expected = reference_select(case)
     _replay_identical(lambda: qsa_ops.select_paged_tokens(*case.args()), case.out, expected)
