@@ -91,7 +91,13 @@ constexpr int kWideCtas = 4;                   // CTAs per row when rows outnumb
 // Only where each page group of a CTA owns at most kDistPages pages: its own keys are read
 // back one page per iteration (R = 1 at 128K, ~1 page per group: 15.25 -> 13.5 us; R = 8,
 // 8 pages per group: 30.0 -> 32.5 us).
-constexpr int kDistRows = 256;
+// NOTES: the workspace holds kDistRows rows' histograms and buffers (40 KiB each), and a
+// launch takes the distributed select only with at most that many rows. A streamed row has
+// more than kTile / kCkPage = 128 pages and needs at least 129 / (kDistPages kGroups), i.e.
+// 33 CTAs, of at most SMs / rows per row: rows <= SMs / 33, 4 on 132 SMs; 8 covers devices of
+// up to 296 SMs (a launch with more rows takes the last-CTA select). It was min(group rows,
+// 256): up to 10 MiB of workspace that no launch could use.
+constexpr int kDistRows = 8;
 constexpr int64_t kDistPages = 2;
 constexpr int kDistWords = 2 * kDigitBins + 2 * kBufCap;  // histogram, cursors, buffer
 

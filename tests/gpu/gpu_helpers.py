@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from custom_esimd_kernels_vllm.qsa_ops import reference, testing
+from custom_esimd_kernels_vllm.qsa_ops import KV_PAGE, reference, testing
 
 DEVICE = "cuda"
 
@@ -23,6 +23,16 @@ def reference_attention(case: testing.AttentionCase) -> torch.Tensor:
     args[6] = out
     reference.sparse_paged_attention_ref(*args)
     return out
+
+
+def distributed_row_case(device: str = DEVICE) -> testing.SelectCase:
+    """One row of 336 pages (43,008 blocks): on the whole device, every CTA of it selects (the
+    distributed select, a cooperative grid)."""
+    return testing.random_select_case(
+        1, 1, 336, 340, device=device, seed=23, integer=True, bad_values=False,
+        token_to_req=[0], query_positions=[336 * KV_PAGE - 1],
+        sequence_lengths=[336 * KV_PAGE], name="distributed row",
+    )  # fmt: skip
 
 
 def row_subset(case, rows):

@@ -146,23 +146,9 @@ def _wait(stream, what: str) -> None:
         time.sleep(0.001)
 
 
-def distributed_row_case():
-    """One row of 336 pages: on the whole device, every CTA of it selects (the distributed
-    select, a cooperative grid)."""
-    from gpu_helpers import DEVICE
-
-    from custom_esimd_kernels_vllm.qsa_ops import KV_PAGE, testing
-
-    return testing.random_select_case(
-        1, 1, 336, 340, device=DEVICE, seed=23, integer=True, bad_values=False,
-        token_to_req=[0], query_positions=[336 * KV_PAGE - 1],
-        sequence_lengths=[336 * KV_PAGE], name="distributed row",
-    )  # fmt: skip
-
-
 def graph_check(sms: int, api: str = "driver") -> dict:
     """Both ops captured into one graph on a partition's stream, replayed REPLAYS times."""
-    from gpu_helpers import DEVICE, reference_select
+    from gpu_helpers import DEVICE, distributed_row_case, reference_select
 
     from custom_esimd_kernels_vllm import qsa_ops
     from custom_esimd_kernels_vllm.qsa_ops import testing

@@ -16,6 +16,7 @@ import os
 import sys
 
 import torch
+from gpu_helpers import distributed_row_case  # this script's folder is on sys.path
 
 from custom_esimd_kernels_vllm import qsa_ops
 from custom_esimd_kernels_vllm.qsa_ops import KV_PAGE, reference, testing
@@ -60,11 +61,7 @@ def select_corpus():
         sequence_lengths=[131072, 336 * KV_PAGE], name="streamed rows",
     )  # fmt: skip
     # one such row: every CTA of it takes part in the select (the distributed select)
-    yield testing.random_select_case(
-        1, 1, 336, 340, device=DEVICE, seed=23, integer=True, bad_values=False,
-        token_to_req=[0], query_positions=[336 * KV_PAGE - 1],
-        sequence_lengths=[336 * KV_PAGE], name="distributed row",
-    )  # fmt: skip
+    yield distributed_row_case(DEVICE)
 
 
 def attention_corpus():

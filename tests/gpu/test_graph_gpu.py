@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_helpers import DEVICE, reference_select
-from green_ctx import distributed_row_case
+from gpu_helpers import DEVICE, distributed_row_case, reference_select
 from torch.profiler import ProfilerActivity, profile
 
 from custom_esimd_kernels_vllm import qsa_ops

@@ -19,8 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpu_helpers import DEVICE, reference_attention, reference_select
-from green_ctx import Unsupported, distributed_row_case, green_stream, on_stream
+from gpu_helpers import (
+    DEVICE,
+    distributed_row_case,
+    reference_attention,
+    reference_select,
+)
+from green_ctx import Unsupported, green_stream, on_stream
 
 from custom_esimd_kernels_vllm import qsa_ops
 from custom_esimd_kernels_vllm.qsa_ops import testing

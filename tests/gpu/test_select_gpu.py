@@ -12,7 +12,7 @@ import torch
 from gpu_helpers import DEVICE, assert_fully_written, reference_select, row_subset
 
 from custom_esimd_kernels_vllm import qsa_ops
-from custom_esimd_kernels_vllm.qsa_ops import KV_PAGE, testing
+from custom_esimd_kernels_vllm.qsa_ops import CK_PAGE, KV_PAGE, testing
 
 pytestmark = pytest.mark.gpu
 
@@ -148,6 +148,26 @@ def test_distributed_wide_octaves(cuda_backend, select_path):
     ck.copy_((ints.double() * scale).to(ck.dtype))
     out = run_cuda(case)
     assert_equal_reference(case, out)
+
+
+def test_streamed_launch_workspace(cuda_backend):
+    """The workspace of a launch whose rows can be streamed (64 rows, a table of 256 pages):
+    the rows' keys (4 bytes per candidate block) and the distributed select's 40 KiB only for
+    the few rows that can take it (at most 8), not for every row (before: 2.5 MiB more here,
+    up to 10 MiB)."""
+    rows, pages = 64, 256
+    case = testing.random_select_case(rows, 4, pages, 300, device=DEVICE, seed=31, integer=True)
+    keys = rows * pages * CK_PAGE * 4
+    stream = torch.cuda.Stream()  # a fresh stream: its workspace does not exist yet
+    with torch.cuda.stream(stream):
+        stream.synchronize()
+        before = torch.cuda.memory_allocated()
+        qsa_ops.select_paged_tokens(*case.args())
+        grown = torch.cuda.memory_allocated() - before
+        stream.synchronize()
+    assert keys <= grown < keys + (1 << 20), f"the workspace took {grown} bytes for {keys} of keys"
+    assert_fully_written(case.out, repr(case))
+    assert_equal_reference(case, case.out)
 
 
 def test_context_131072_mass_ties(cuda_backend, select_path):
