@@ -73,16 +73,39 @@ inline int stream_sm_count(cudaStream_t stream, int whole) {
 
 // Eight consecutive halves. kVec16: one 16-byte load (the pointer is 16-byte aligned);
 // otherwise eight 2-byte loads, for tensors whose storage offset breaks that alignment.
-template <bool kVec16>
+// NOTES (PDL): a load marked read-only (ld.global.nc: __ldg, the helpers below, a const
+// __restrict__ pointer) may be moved by ptxas above griddepcontrol.wait, as if its data could
+// not change while the kernel runs, and under PDL the kernel before may still be writing it:
+// the streamed select kernels loaded token_to_req ahead of the wait (SASS). So a kernel's
+// first loads, whose addresses come from its parameters and thread ids alone, are coherent
+// loads (kFirst: plain ld.global, kept behind the wait); every other load takes its address
+// from one of them and cannot move above it. tests/gpu checks the SASS of every kernel.
+constexpr bool kFirst = true;
+
+__device__ __forceinline__ uint16_t ld16(const unsigned short* p) {
+  uint16_t v;
+  asm volatile("ld.global.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
+  return v;
+}
+
+template <bool kVec16, bool kFirstLoad = false>
 __device__ __forceinline__ uint4 load8(const __half* p) {
-  if constexpr (kVec16) {
+  if constexpr (kVec16 && kFirstLoad) {
+    uint4 v;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+  } else if constexpr (kVec16) {
     return __ldg(reinterpret_cast<const uint4*>(p));
   } else {
     const unsigned short* s = reinterpret_cast<const unsigned short*>(p);
     uint32_t w[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      w[i] = uint32_t(__ldg(s + 2 * i)) | (uint32_t(__ldg(s + 2 * i + 1)) << 16);
+      const uint32_t lo = kFirstLoad ? ld16(s + 2 * i) : __ldg(s + 2 * i);
+      const uint32_t hi = kFirstLoad ? ld16(s + 2 * i + 1) : __ldg(s + 2 * i + 1);
+      w[i] = lo | (hi << 16);
     }
     return make_uint4(w[0], w[1], w[2], w[3]);
   }
@@ -102,43 +125,71 @@ __device__ __forceinline__ void half8_to_float(const uint4& raw, float (&f)[8]) 
 // its first use (it did so for predicated zero-filled loads, one round trip per load) and from
 // turning the predicate into a branch. Read-only data only (ld.global.nc); zero / `fallback`
 // when `pred` is false, and then nothing is read.
+// kFirstLoad: a coherent load (ld.global), see the PDL note above.
+template <bool kFirstLoad = false>
 __device__ __forceinline__ uint4 ldg16_pred(const void* p, bool pred) {
   uint4 v;
-  asm volatile(
-      "{\n\t.reg .pred q;\n\t"
-      "setp.ne.b32 q, %5, 0;\n\t"
-      "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
-      "@q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p), "r"(int(pred)));
+  if constexpr (kFirstLoad) {
+    asm volatile(
+        "{\n\t.reg .pred q;\n\t"
+        "setp.ne.b32 q, %5, 0;\n\t"
+        "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+        "@q ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "r"(int(pred)));
+  } else {
+    asm volatile(
+        "{\n\t.reg .pred q;\n\t"
+        "setp.ne.b32 q, %5, 0;\n\t"
+        "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+        "@q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "r"(int(pred)));
+  }
   return v;
 }
 
+template <bool kFirstLoad = false>
 __device__ __forceinline__ int32_t ldg32_pred(const int32_t* p, bool pred, int32_t fallback) {
   int32_t v;
-  asm volatile(
-      "{\n\t.reg .pred q;\n\t"
-      "setp.ne.b32 q, %2, 0;\n\t"
-      "mov.b32 %0, %3;\n\t"
-      "@q ld.global.nc.b32 %0, [%1];\n\t}"
-      : "=r"(v)
-      : "l"(p), "r"(int(pred)), "r"(fallback));
+  if constexpr (kFirstLoad) {
+    asm volatile(
+        "{\n\t.reg .pred q;\n\t"
+        "setp.ne.b32 q, %2, 0;\n\t"
+        "mov.b32 %0, %3;\n\t"
+        "@q ld.global.b32 %0, [%1];\n\t}"
+        : "=r"(v)
+        : "l"(p), "r"(int(pred)), "r"(fallback));
+  } else {
+    asm volatile(
+        "{\n\t.reg .pred q;\n\t"
+        "setp.ne.b32 q, %2, 0;\n\t"
+        "mov.b32 %0, %3;\n\t"
+        "@q ld.global.nc.b32 %0, [%1];\n\t}"
+        : "=r"(v)
+        : "l"(p), "r"(int(pred)), "r"(fallback));
+  }
   return v;
 }
 
+template <bool kFirstLoad = false>
 __device__ __forceinline__ int64_t ldg64(const int64_t* p) {
   int64_t v;
-  asm volatile("ld.global.nc.b64 %0, [%1];\n" : "=l"(v) : "l"(p));
+  if constexpr (kFirstLoad) {
+    asm volatile("ld.global.b64 %0, [%1];\n" : "=l"(v) : "l"(p));
+  } else {
+    asm volatile("ld.global.nc.b64 %0, [%1];\n" : "=l"(v) : "l"(p));
+  }
   return v;
 }
 
 // Eight halves, predicated: one 16-byte load (kVec16) or eight 2-byte loads; zero when !pred.
-template <bool kVec16>
+template <bool kVec16, bool kFirstLoad = false>
 __device__ __forceinline__ uint4 load8_pred(const __half* p, bool pred) {
   if constexpr (kVec16) {
-    return ldg16_pred(p, pred);
+    return ldg16_pred<kFirstLoad>(p, pred);
   } else {
-    return pred ? load8<false>(p) : make_uint4(0, 0, 0, 0);
+    return pred ? load8<false, kFirstLoad>(p) : make_uint4(0, 0, 0, 0);
   }
 }
 

@@ -453,8 +453,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // NOTES: the dependent chain before the keys is 3 loads: token_to_req, the query position
   // and q go out together; the sequence length and the first page-table entry then go out
   // together (asm volatile loads: the compiler otherwise sinks them below the branches).
-  const int64_t b = detail::ldg32_pred(p.token_to_req + r, true, -1);
-  const int64_t pos1 = detail::ldg64(p.query_positions + r) + 1;
+  // The first loads are coherent (detail::kFirst): nothing may move above the wait.
+  const int64_t b = detail::ldg32_pred<detail::kFirst>(p.token_to_req + r, true, -1);
+  const int64_t pos1 = detail::ldg64<detail::kFirst>(p.query_positions + r) + 1;
   // B fragments: lane (g, t) holds head g's dims 8 (4 s + t) .. + 8 for s < 4 (zero for the
   // padding heads g >= 4). The mma's k order is a permutation of the dims, the same for q
   // and the keys, so the dot products are unchanged.
@@ -462,7 +463,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint4 qv[4];
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
-    qv[s] = load8_pred<kVec16>(q + (g < kIndexHeads ? g : 0) * kIndexDim + 8 * (4 * s + t),
+    qv[s] = load8_pred<kVec16, detail::kFirst>(
+        q + (g < kIndexHeads ? g : 0) * kIndexDim + 8 * (4 * s + t),
                                g < kIndexHeads);
   }
   const bool b_ok = b >= 0 && b < p.requests;

@@ -95,7 +95,9 @@ __device__ __forceinline__ void load_q(const void* q_base, int64_t r, int lane,
                                        uint4 (&qraw)[kHeads]) {
   const __half* q = static_cast<const __half*>(q_base) + r * (kHeads * kHeadDim);
 #pragma unroll
-  for (int h = 0; h < kHeads; ++h) qraw[h] = load8_pred<kVec16>(q + h * kHeadDim + lane * 8, true);
+  for (int h = 0; h < kHeads; ++h) {
+    qraw[h] = load8_pred<kVec16, detail::kFirst>(q + h * kHeadDim + lane * 8, true);
+  }
 }
 
 __device__ __forceinline__ void q_to_float(const uint4 (&qraw)[kHeads], float (&qf)[kHeads][8]) {
@@ -185,7 +187,7 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
   // page-table reads follow in one batch; then the K/V of the first pass.
   uint4 qraw[kHeads];
   load_q<kVec16>(p.q, r, lane, qraw);
-  const int64_t b = ldg32_pred(p.token_to_req + r, true, -1);
+  const int64_t b = ldg32_pred<detail::kFirst>(p.token_to_req + r, true, -1);
 
   const int c_lo = static_cast<int>((int64_t(s) * kWidth) / splits);
   const int c_hi = static_cast<int>((int64_t(s + 1) * kWidth) / splits);
@@ -198,7 +200,8 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
 #pragma unroll
   for (int it = 0; it < kMaxRounds; ++it) {
     const int c = seg_lo + it * 32 + lane;
-    li[it] = ldg32_pred(idx_row + (c < seg_hi ? c : 0), it < rounds && c < seg_hi, -1);
+    li[it] = ldg32_pred<detail::kFirst>(idx_row + (c < seg_hi ? c : 0), it < rounds && c < seg_hi,
+                                        -1);
   }
   const bool row_ok = b >= 0 && b < p.requests;
   const int32_t* table = p.page_table + (row_ok ? b : 0) * p.page_table_stride;
@@ -521,11 +524,12 @@ __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
   // entries; level 3: every K/V line of the warp.
   uint4 qraw[kHeads];
   load_q<kVec16>(p.q, r, lane, qraw);
-  const int64_t b = ldg32_pred(p.token_to_req + r, true, -1);
+  const int64_t b = ldg32_pred<detail::kFirst>(p.token_to_req + r, true, -1);
   const int col = s * kCols + warp * kT + lane;
   const bool have = lane < kT && col < kWidth;
   const int32_t li =
-      ldg32_pred(p.logical_indices + r * p.indices_stride + (have ? col : 0), have, -1);
+      ldg32_pred<detail::kFirst>(p.logical_indices + r * p.indices_stride + (have ? col : 0),
+                                 have, -1);
   const bool row_ok = b >= 0 && b < p.requests;
   const int32_t* table = p.page_table + (row_ok ? b : 0) * p.page_table_stride;
   const bool want = row_ok && li >= 0 && li / kKvPage < p.table_width;

@@ -71,10 +71,11 @@ __global__ void __launch_bounds__(kWriteThreads)
   const int lane = threadIdx.x % kLanes;
   const int64_t row = int64_t(blockIdx.x) * kRowsPerWriteCta + threadIdx.x / kLanes;
   if (row >= rows) return;
-  const int64_t s = slots[row];
+  // The first loads are coherent (detail::kFirst): nothing may move above the wait.
+  const int64_t s = detail::ldg64<detail::kFirst>(slots + row);
   if (s < 0 || s >= pages * kKvPage) return;  // padded (-1) or out of range: skipped
-  const uint4 k = load8<kVec16>(key + row * kHeadDim + lane * 8);
-  const uint4 v = load8<kVec16>(value + row * kHeadDim + lane * 8);
+  const uint4 k = load8<kVec16, detail::kFirst>(key + row * kHeadDim + lane * 8);
+  const uint4 v = load8<kVec16, detail::kFirst>(value + row * kHeadDim + lane * 8);
   __half* dst = kv + s * kTokenHalves;
   store8<kVec16>(dst + lane * 8, k);
   store8<kVec16>(dst + kHeadDim + lane * 8, v);
@@ -86,8 +87,8 @@ __global__ void __launch_bounds__(kCompressThreads)
                     __half* __restrict__ ck, int64_t pages, int64_t ck_pages) {
   detail::grid_dependency_wait();  // the K/V rows of write_kv_kernel are visible after it
   const int64_t row = blockIdx.x;
-  const int64_t s = slots[row];
-  const int64_t c = ck_slots[row];
+  const int64_t s = detail::ldg64<detail::kFirst>(slots + row);  // coherent: see write_kv_kernel
+  const int64_t c = detail::ldg64<detail::kFirst>(ck_slots + row);
   if (s < 0 || s >= pages * kKvPage || c < 0 || c >= ck_pages * kCkPage) return;
   const int lane = threadIdx.x % kLanes;
   const int warp = threadIdx.x / kLanes;
@@ -108,7 +109,10 @@ __global__ void __launch_bounds__(kCompressThreads)
     const float* w = wk + int64_t(i) * kHeadDim;
     float p[kPerLane];
 #pragma unroll
-    for (int k = 0; k < kPerLane; ++k) p[k] = __fmul_rn(__ldg(w + lane + kLanes * k), m[k]);
+    for (int k = 0; k < kPerLane; ++k) {  // coherent, as the first loads: see write_kv_kernel
+      const int32_t* wi = reinterpret_cast<const int32_t*>(w + lane + kLanes * k);
+      p[k] = __fmul_rn(__int_as_float(detail::ldg32_pred<detail::kFirst>(wi, true, 0)), m[k]);
+    }
     // h = 128: d and d + 128 are k and k + 4 of one lane; h = 64: k and k + 2; h = 32: k, k + 1
     const float q0 = __fadd_rn(p[0], p[4]), q1 = __fadd_rn(p[1], p[5]);
     const float q2 = __fadd_rn(p[2], p[6]), q3 = __fadd_rn(p[3], p[7]);

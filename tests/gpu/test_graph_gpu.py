@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
+
 import pytest
 import torch
 from gpu_helpers import DEVICE, distributed_row_case, reference_select
@@ -232,6 +236,48 @@ def test_pdl_chain_in_a_graph(cuda_backend, monkeypatch):
             torch.cuda.synchronize()
             assert torch.equal(att_out, expected_att), f"replay {i}: attention differs"
             assert torch.equal(idx, expected_idx), f"replay {i}: selection differs"
+
+
+# SASS opcodes that read or write global memory (directly, generic or bulk).
+_GLOBAL_ACCESS = {"LDG", "STG", "ATOMG", "ATOM", "RED", "REDG", "LD", "ST", "LDGSTS", "UBLKCP",
+                  "UBLKRED", "UTMALDG", "UTMASTG", "UTMAREDG"}  # fmt: skip
+_SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)")
+
+
+def test_pdl_wait_precedes_every_global_access():
+    """Every kernel of the library executes griddepcontrol.wait (SASS: ACQBULK) before its
+    first global load or store, in the compiled code and not only in the source: ptxas may
+    move a read-only (ld.global.nc) load above the wait, and under programmatic dependent
+    launch that load could read what the kernel before is still writing (the streamed
+    select kernels loaded token_to_req ahead of it). Reads the library's SASS with cuobjdump
+    (the CUDA toolkit's)."""
+    tool = shutil.which("cuobjdump")
+    if tool is None:
+        pytest.skip("cuobjdump (CUDA toolkit) is not on PATH")
+    sass = subprocess.run(
+        [tool, "-sass", str(ops.LIBRARY_PATH)], check=True, capture_output=True, text=True
+    ).stdout
+    kernels: dict[str, list[str]] = {}
+    name = None
+    for line in sass.splitlines():
+        if "Function : " in line:
+            name = line.split("Function : ", 1)[1].strip()
+            kernels[name] = []
+        elif name is not None and (m := _SASS_LINE.search(line)):
+            kernels[name].append(m.group(1) + " | " + line.split("*/", 1)[1].strip())
+    ours = {k: v for k, v in kernels.items() if k.startswith("_ZN3qsa")}
+    assert len(ours) >= 3, f"found {len(ours)} qsa kernels in {ops.LIBRARY_PATH}"
+    bad = {}
+    for kernel, instructions in ours.items():
+        opcodes = [i.split(" | ")[0] for i in instructions]
+        if "ACQBULK" not in opcodes:
+            bad[kernel] = "no griddepcontrol.wait (ACQBULK)"
+            continue
+        early = [i for i in instructions[: opcodes.index("ACQBULK")]
+                 if i.split(" | ")[0] in _GLOBAL_ACCESS]  # fmt: skip
+        if early:
+            bad[kernel] = f"global access before the wait: {early}"
+    assert not bad, "\n".join(f"{k}: {v}" for k, v in bad.items())
 
 
 def _pdl_case(op):
