@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch
-from gpu_helpers import distributed_row_case  # this script's folder is on sys.path
 
 from custom_esimd_kernels_vllm import qsa_ops
 from custom_esimd_kernels_vllm.qsa_ops import KV_PAGE, reference, testing
@@ -26,6 +26,8 @@ INT32_MAX = 2**31 - 1
 
 
 def select_corpus():
+    from gpu_helpers import distributed_row_case  # beside this file: see __main__
+
     yield testing.random_select_case(
         6, 2, 3, 4, device=DEVICE, seed=1, integer=True,
         page_table=[[-1, 4, INT32_MAX], [-(2**31), 3, 2]], token_to_req=[-1, 2, INT32_MAX, 0, 1, 1],
@@ -159,4 +161,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    # the suite's helpers sit beside this file; the pipeline runs with PYTHONSAFEPATH set, so
+    # the script's own folder is not on the path by itself
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main(sys.argv[1:]))
