@@ -125,26 +125,30 @@ __device__ __forceinline__ void half8_to_float(const uint4& raw, float (&f)[8]) 
 // its first use (it did so for predicated zero-filled loads, one round trip per load) and from
 // turning the predicate into a branch. Read-only data only (ld.global.nc); zero / `fallback`
 // when `pred` is false, and then nothing is read.
-// kFirstLoad: a coherent load (ld.global), see the PDL note above.
+// kFirstLoad: a coherent load (ld.global), see the PDL note above; else ld.global.nc. The
+// macros spell each load once, with the cache qualifier `nc` ("" or ".nc") spliced in.
+#define QSA_LDG16_PRED(nc)                                                               \
+  asm volatile("{\n\t.reg .pred q;\n\t"                                                  \
+               "setp.ne.b32 q, %5, 0;\n\t"                                               \
+               "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"     \
+               "@q ld.global" nc ".v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"                  \
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)                              \
+               : "l"(p), "r"(int(pred)))
+#define QSA_LDG32_PRED(nc)                                  \
+  asm volatile("{\n\t.reg .pred q;\n\t"                     \
+               "setp.ne.b32 q, %2, 0;\n\t"                  \
+               "mov.b32 %0, %3;\n\t"                        \
+               "@q ld.global" nc ".b32 %0, [%1];\n\t}"       \
+               : "=r"(v)                                    \
+               : "l"(p), "r"(int(pred)), "r"(fallback))
+
 template <bool kFirstLoad = false>
 __device__ __forceinline__ uint4 ldg16_pred(const void* p, bool pred) {
   uint4 v;
   if constexpr (kFirstLoad) {
-    asm volatile(
-        "{\n\t.reg .pred q;\n\t"
-        "setp.ne.b32 q, %5, 0;\n\t"
-        "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
-        "@q ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p), "r"(int(pred)));
+    QSA_LDG16_PRED("");
   } else {
-    asm volatile(
-        "{\n\t.reg .pred q;\n\t"
-        "setp.ne.b32 q, %5, 0;\n\t"
-        "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
-        "@q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p), "r"(int(pred)));
+    QSA_LDG16_PRED(".nc");
   }
   return v;
 }
@@ -153,24 +157,14 @@ template <bool kFirstLoad = false>
 __device__ __forceinline__ int32_t ldg32_pred(const int32_t* p, bool pred, int32_t fallback) {
   int32_t v;
   if constexpr (kFirstLoad) {
-    asm volatile(
-        "{\n\t.reg .pred q;\n\t"
-        "setp.ne.b32 q, %2, 0;\n\t"
-        "mov.b32 %0, %3;\n\t"
-        "@q ld.global.b32 %0, [%1];\n\t}"
-        : "=r"(v)
-        : "l"(p), "r"(int(pred)), "r"(fallback));
+    QSA_LDG32_PRED("");
   } else {
-    asm volatile(
-        "{\n\t.reg .pred q;\n\t"
-        "setp.ne.b32 q, %2, 0;\n\t"
-        "mov.b32 %0, %3;\n\t"
-        "@q ld.global.nc.b32 %0, [%1];\n\t}"
-        : "=r"(v)
-        : "l"(p), "r"(int(pred)), "r"(fallback));
+    QSA_LDG32_PRED(".nc");
   }
   return v;
 }
+#undef QSA_LDG16_PRED
+#undef QSA_LDG32_PRED
 
 template <bool kFirstLoad = false>
 __device__ __forceinline__ int64_t ldg64(const int64_t* p) {
