@@ -257,24 +257,24 @@ def test_pdl_wait_precedes_every_global_access():
     sass = subprocess.run(
         [tool, "-sass", str(ops.LIBRARY_PATH)], check=True, capture_output=True, text=True
     ).stdout
-    kernels: dict[str, list[str]] = {}
+    kernels: dict[str, list[tuple[str, str]]] = {}  # name -> [(opcode, instruction)]
     name = None
     for line in sass.splitlines():
         if "Function : " in line:
             name = line.split("Function : ", 1)[1].strip()
             kernels[name] = []
         elif name is not None and (m := _SASS_LINE.search(line)):
-            kernels[name].append(m.group(1) + " | " + line.split("*/", 1)[1].strip())
+            kernels[name].append((m.group(1), line.split("*/", 1)[1].strip()))
     ours = {k: v for k, v in kernels.items() if k.startswith("_ZN3qsa")}
     assert len(ours) >= 3, f"found {len(ours)} qsa kernels in {ops.LIBRARY_PATH}"
     bad = {}
     for kernel, instructions in ours.items():
-        opcodes = [i.split(" | ")[0] for i in instructions]
+        opcodes = [op for op, _ in instructions]
         if "ACQBULK" not in opcodes:
             bad[kernel] = "no griddepcontrol.wait (ACQBULK)"
             continue
-        early = [i for i in instructions[: opcodes.index("ACQBULK")]
-                 if i.split(" | ")[0] in _GLOBAL_ACCESS]  # fmt: skip
+        wait = opcodes.index("ACQBULK")
+        early = [text for op, text in instructions[:wait] if op in _GLOBAL_ACCESS]
         if early:
             bad[kernel] = f"global access before the wait: {early}"
     assert not bad, "\n".join(f"{k}: {v}" for k, v in bad.items())

@@ -19,12 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpu_helpers import (
-    DEVICE,
-    distributed_row_case,
-    reference_attention,
-    reference_select,
-)
+from gpu_helpers import DEVICE, distributed_row_case, reference_attention, reference_select
 from green_ctx import Unsupported, green_stream, on_stream
 
 from custom_esimd_kernels_vllm import qsa_ops
