@@ -71,8 +71,6 @@ inline int stream_sm_count(cudaStream_t stream, int whole) {
   return n > 0 && n < whole ? n : whole;
 }
 
-// Eight consecutive halves. kVec16: one 16-byte load (the pointer is 16-byte aligned);
-// otherwise eight 2-byte loads, for tensors whose storage offset breaks that alignment.
 // NOTES (PDL): a load marked read-only (ld.global.nc: __ldg, the helpers below, a const
 // __restrict__ pointer) may be moved by ptxas above griddepcontrol.wait, as if its data could
 // not change while the kernel runs, and under PDL the kernel before may still be writing it:
@@ -88,6 +86,9 @@ __device__ __forceinline__ uint16_t ld16(const unsigned short* p) {
   return v;
 }
 
+// Eight consecutive halves. kVec16: one 16-byte load (the pointer is 16-byte aligned);
+// otherwise eight 2-byte loads, for tensors whose storage offset breaks that alignment.
+// kFirstLoad: coherent loads (ld.global), see the PDL note above; else ld.global.nc.
 template <bool kVec16, bool kFirstLoad = false>
 __device__ __forceinline__ uint4 load8(const __half* p) {
   if constexpr (kVec16 && kFirstLoad) {
@@ -123,10 +124,10 @@ __device__ __forceinline__ void half8_to_float(const uint4& raw, float (&f)[8]) 
 
 // Loads issued where they are written: asm volatile keeps the compiler from sinking a load to
 // its first use (it did so for predicated zero-filled loads, one round trip per load) and from
-// turning the predicate into a branch. Read-only data only (ld.global.nc); zero / `fallback`
-// when `pred` is false, and then nothing is read.
-// kFirstLoad: a coherent load (ld.global), see the PDL note above; else ld.global.nc. The
-// macros spell each load once, with the cache qualifier `nc` ("" or ".nc") spliced in.
+// turning the predicate into a branch. Zero / `fallback` when `pred` is false, and then
+// nothing is read. kFirstLoad: a coherent load (ld.global), see the PDL note above; else a
+// read-only load (ld.global.nc). The macros spell each load once, with the cache qualifier
+// `nc` ("" or ".nc") spliced in.
 #define QSA_LDG16_PRED(nc)                                                               \
   asm volatile("{\n\t.reg .pred q;\n\t"                                                  \
                "setp.ne.b32 q, %5, 0;\n\t"                                               \

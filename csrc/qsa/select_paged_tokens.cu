@@ -464,8 +464,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     qv[s] = load8_pred<kVec16, detail::kFirst>(
-        q + (g < kIndexHeads ? g : 0) * kIndexDim + 8 * (4 * s + t),
-                               g < kIndexHeads);
+        q + (g < kIndexHeads ? g : 0) * kIndexDim + 8 * (4 * s + t), g < kIndexHeads);
   }
   const bool b_ok = b >= 0 && b < p.requests;
   const int32_t* table = p.page_table + (b_ok ? b : 0) * p.page_table_stride;
