@@ -216,14 +216,15 @@ def _host_table(h: dict) -> list[str]:
 
 
 def _decode_table(d: dict) -> list[str]:
-    head = ["R", "eager host µs/layer", "eager GPU µs/layer", "graph GPU µs/layer",
+    head = ["R", "eager host µs/layer", "`add_` µs (same reps)", "eager GPU µs/layer",
+            "graph GPU µs/layer",
             "graph host µs/layer", "update + select + attention (graph, alone) µs/layer",
             "graph / kernel sum", "targets"]  # fmt: skip
     t = d["targets"]
     rows = []
     for e in d.get("rows", []):
         if "error" in e:
-            rows.append([str(e["rows"]), f"error: {e['error'][:160]}"] + [""] * 6)
+            rows.append([str(e["rows"]), f"error: {e['error'][:160]}"] + [""] * 7)
             continue
         eager, graph = e.get("eager", {}), e.get("graph")
         targets = [f"eager host <= {t['eager_host_us_per_layer']:g}: "
@@ -239,7 +240,8 @@ def _decode_table(d: dict) -> list[str]:
         else:
             cells = ["–", "–", "–", "–"]
         rows.append([str(e["rows"]), _num(eager.get("host_us_per_layer")),
-                     _num(eager.get("gpu_us_per_layer")), *cells, "; ".join(targets)])  # fmt: skip
+                     _num(eager.get("add_us")), _num(eager.get("gpu_us_per_layer")), *cells,
+                     "; ".join(targets)])  # fmt: skip
     return _table(head, rows)
 
 

@@ -437,9 +437,17 @@ def decode_step(
             timing.synchronize(device)
             entry["check"] = _update_check(step)
             per = 1e6 / layers
-            host = timing.host_seconds_per_call(ops["step"], 1, reps, device)
+            # NOTES: the step's reps interleaved with add_'s (one add_ per layer): the host's
+            # own speed drifts within a run, and the eager step's host time with it (not with
+            # R); add_ beside it shows that drift (NOTES-kernels.md, the decode step's host).
+            x = torch.ones(1024, device=device)
+            host = timing.host_seconds_interleaved(
+                {"step": ops["step"], "add_": lambda x=x: [x.add_(1.0) for _ in range(layers)]},
+                1, reps, device,
+            )  # fmt: skip
             entry["eager"] = {
-                "host_us_per_layer": host * per,
+                "host_us_per_layer": host["step"] * per,
+                "add_us": host["add_"] * per,
                 "gpu_us_per_layer": _eager_gpu_s(ops["step"], device, reps) * per,
             }
             entry["eager"]["met"] = entry["eager"]["host_us_per_layer"] <= (

@@ -128,6 +128,7 @@ def test_decode_step_with_a_stand_in_update(monkeypatch, tmp_path):
         assert "error" not in e, e.get("error")
         assert e["check"]["ok"]  # the new K/V landed at their slots
         assert e["eager"]["host_us_per_layer"] > 0 and e["eager"]["gpu_us_per_layer"] > 0
+        assert e["eager"]["add_us"] > 0  # add_ timed in the same interleaved reps
         assert "graph" not in e  # no CUDA graphs on CPU
     assert dec["targets"] == {"graph_step_over_kernel_sum": 1.15, "eager_host_us_per_layer": 40.0}
     # the graph half of the report, from a hand-made graph entry
@@ -140,6 +141,7 @@ def test_decode_step_with_a_stand_in_update(monkeypatch, tmp_path):
                           "unit_s": 1e-3, "rotation_factor": 2, "cache_bytes": 1},
                           "cases": [], "decode_step": dec})  # fmt: skip
     assert "## Decode step" in md and "1.0 + 4.0 + 5.0 = 10.0" in md and "graph <= 1.15x: met" in md
+    assert "`add_` µs (same reps)" in md
 
 
 def test_decode_step_states_a_skip_without_the_op(monkeypatch):
