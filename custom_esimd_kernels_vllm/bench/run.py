@@ -289,14 +289,19 @@ HOST_CASES = {
 }
 
 
+def _add_call(device: torch.device):
+    """The host-cost reference of every host timing: one ``Tensor.add_`` on a device tensor."""
+    x = torch.ones(1024, device=device)
+    return lambda: x.add_(1.0)
+
+
 def host_overhead(device: torch.device, quick: bool, seed: int = 0) -> dict[str, object]:
     """Median host time per eager call of ``Tensor.add_`` on a device tensor and of the public
     ``qsa_ops`` functions on the R = 1 seed cases, and their ratios."""
     calls, reps = (5, 5) if quick else (200, 25)
     names = HOST_CASES["quick" if quick else "default"]
     seeds = {c.name: c for c in cases.seed_cases()}
-    x = torch.zeros(1024, device=device)
-    fns = {"aten_add_us": lambda: x.add_(1.0)}
+    fns = {"aten_add_us": _add_call(device)}
     out: dict[str, object] = {}
     for key, name in (("attention", names[0]), ("select", names[1])):
         spec = seeds[name]
@@ -440,9 +445,9 @@ def decode_step(
             # NOTES: the step's reps interleaved with add_'s (one add_ per layer): the host's
             # own speed drifts within a run, and the eager step's host time with it (not with
             # R); add_ beside it shows that drift (NOTES-kernels.md, the decode step's host).
-            x = torch.ones(1024, device=device)
+            add = _add_call(device)
             host = timing.host_seconds_interleaved(
-                {"step": ops["step"], "add_": lambda x=x: [x.add_(1.0) for _ in range(layers)]},
+                {"step": ops["step"], "add_": lambda add=add: [add() for _ in range(layers)]},
                 1, reps, device,
             )  # fmt: skip
             entry["eager"] = {
