@@ -156,7 +156,9 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// Inclusive block scan of one int per thread (kThreads threads).
+// Inclusive block scan of one int per thread (kThreads threads). kReuse: a barrier at the end,
+// so that the caller may scan again with the same warp_sums right after.
+template <bool kReuse = true>
 __device__ __forceinline__ int block_inclusive_scan(int x, int* warp_sums) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
@@ -177,7 +179,7 @@ __device__ __forceinline__ int block_inclusive_scan(int x, int* warp_sums) {
   }
   __syncthreads();
   const int res = x + (warp > 0 ? warp_sums[warp - 1] : 0);
-  __syncthreads();  // warp_sums is reused by the caller's next scan
+  if constexpr (kReuse) __syncthreads();  // warp_sums is reused by the caller's next scan
   return res;
 }
 
@@ -585,6 +587,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // NOTES (v7r): only a launch whose rows can be streamed folds its largest key into the
   // row's slot; a resident row's last CTA takes it from the tile it holds (one L2 round trip,
   // the atomicExch after the arrival, fewer on the row's critical path).
+  // NOTES (v19): every CTA zeroes the select's histogram before it arrives (the scoring does
+  // not use that shared memory), so that the last one starts its select without it.
+  for (int i = tid; i < kDigitBins; i += kThreads) sh.u.f.start[i] = 0;
+  if (tid == 0) sh.work = 0;
   kmax = __reduce_max_sync(0xffffffffu, kmax);
   if (lane == 0) sh.scan[tid >> 5] = static_cast<int>(kmax);  // keys < 2^31
   __syncthreads();
@@ -619,12 +625,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t* K = row_keys;
   uint32_t* start = sh.u.f.start;
   uint32_t* cursor = sh.u.f.cursor;
-  // Histogram of the first digit over usable keys. The keys of rows of at most kTile blocks
-  // stay in registers for the second pass.
-  for (int i = tid; i < kDigitBins; i += kThreads) start[i] = 0;
-  if (tid == 0) {
-    sh.work = 0;
-  }
+  // Histogram of the first digit over usable keys (start[] zeroed before the arrival). The
+  // keys of rows of at most kTile blocks stay in registers for the second pass.
   const bool resident = !streamed || (!dist_row && nv <= kTile);
   uint4 tile[kStreamUnroll];
   if (resident) load_tile<true>(K, nv, 0, tile);
@@ -694,39 +696,31 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 #pragma unroll
   for (int i = 0; i < kBinsPerThread; ++i) sum += cnt[i];
-  const int incl = block_inclusive_scan(sum, sh.scan);
+  // NOTES (v19): one barrier after the scan, not three. Bins are scanned from the top, so a
+  // bin's exclusive count `run` is the number of keys above it; the bin of the 512-th largest
+  // key, d1, is the one with run < 512 <= run + count, and the bins at or above it are exactly
+  // those with run < 512. So each bin's first slot and the rank work (the sum of count^2 over
+  // the bins at or above d1) need no d1, and are written with the search for it.
+  const int incl = block_inclusive_scan<false>(sum, sh.scan);
   if (tid == kThreads - 1) sh.usable = incl;
-  int run = incl - sum;
-#pragma unroll
-  for (int i = 0; i < kBinsPerThread; ++i) {
-    if (run < kBlockTopk && kBlockTopk <= run + cnt[i]) {
-      sh.digit = kDigitBins - 1 - kBinsPerThread * tid - i;
-      sh.above = run;
-      sh.digit_count = cnt[i];
-    }
-    run += cnt[i];
-  }
-  __syncthreads();
-  const int usable = sh.usable;
-  const int kb = min(kBlockTopk, usable);
-  const bool all_win = usable <= kBlockTopk;
-  const uint32_t d1 = all_win ? 0u : sh.digit;  // the bin of the 512-th largest key
-  const int total = all_win ? usable : sh.above + sh.digit_count;  // keys with digit >= d1
   {
-    // Each bin's first slot (bins descending), and the rank work: sum of count^2.
-    // The thread's bins below d1 are written too (16-byte stores) and never read.
+    int run = incl - sum;
     unsigned long long w = 0;
-    if (static_cast<uint32_t>(bin0 + kBinsPerThread - 1) >= d1) {
+    // The thread's bins, if its top one is at or above d1 (else none is ever read).
+    if (run < kBlockTopk) {
       uint32_t st[kBinsPerThread], cu[kBinsPerThread];
-      run = incl - sum;
 #pragma unroll
       for (int i = 0; i < kBinsPerThread; ++i) {
-        const uint32_t bin = kDigitBins - 1 - kBinsPerThread * tid - i;
-        st[i] = run;
-        cu[i] = dist_row ? run + cnt[i] : run;  // a distributed row's buffer is filled
-        if (bin >= d1) {
+        if (kBlockTopk <= run + cnt[i] && run < kBlockTopk) {
+          sh.digit = kDigitBins - 1 - kBinsPerThread * tid - i;
+          sh.above = run;
+          sh.digit_count = cnt[i];
+        }
+        if (run < kBlockTopk) {
           w += static_cast<unsigned long long>(cnt[i]) * static_cast<unsigned long long>(cnt[i]);
         }
+        st[i] = run;
+        cu[i] = dist_row ? run + cnt[i] : run;  // a distributed row's buffer is filled
         run += cnt[i];
       }
       // st[i] is bin 4095 - 8 tid - i = bin0 + 7 - i
@@ -740,6 +734,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0 && w) atomicAdd(&sh.work, w);
   }
   __syncthreads();
+  const int usable = sh.usable;
+  const int kb = min(kBlockTopk, usable);
+  const bool all_win = usable <= kBlockTopk;
+  const uint32_t d1 = all_win ? 0u : sh.digit;  // the bin of the 512-th largest key
+  const int total = all_win ? usable : sh.above + sh.digit_count;  // keys with digit >= d1
 
   const bool fast = !p.generic_path && total <= kBufCap && sh.work <= kRankWorkCap;
   // (key, ~j) descending = score descending, lower block first on ties.
