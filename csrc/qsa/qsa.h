@@ -77,7 +77,8 @@ struct AttentionParams {
   void* workspace;                 // >= attention_workspace_bytes(rows, splits, device) bytes
   size_t workspace_bytes;
   int32_t* counters;               // >= attention_counter_slots() int32, zero on first use;
-                                   // every call leaves them zero again
+                                   // the cluster kernel's slots are left zero, the decode-size
+                                   // kernel's row counters a multiple of 128 (epochs)
   bool pdl;                        // launched with programmatic dependent launch (see above)
 };
 

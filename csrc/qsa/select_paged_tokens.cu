@@ -77,6 +77,10 @@ constexpr int kBinsPerThread = kDigitBins / kThreads;
 static_assert(kBinsPerThread == 8, "a thread's bins are two 16-byte words of shared memory");
 constexpr int kBufCap = 1024;                  // keys at or above the threshold bin (fast path)
 constexpr int kRankWorkCap = 1 << 18;          // sum over those bins of count^2 (fast path)
+static_assert(uint64_t(kWarps) * 32 * (kRankWorkCap + 1) < (uint64_t(1) << 32),
+              "the saturated rank work of the CTA fits 32 bits");
+static_assert(uint64_t(kBinsPerThread) * (kBufCap + 1) * (kBufCap + 1) < (uint64_t(1) << 32),
+              "a thread's clamped rank work fits 32 bits");
 constexpr int kRadixBins = 2048;               // generic path: 11-bit digits (11, 11, 10)
 constexpr int kRadixUnroll = 4;
 constexpr int kStreamUnroll = 8;               // 16-byte key loads in flight per thread
@@ -140,7 +144,7 @@ struct SelectShared {
   int digit_count;
   int chosen;
   int usable;
-  unsigned long long work;
+  uint32_t work;  // the fast path's rank work, saturated (see the scan)
   int is_last;
 };
 
@@ -156,9 +160,8 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// Inclusive block scan of one int per thread (kThreads threads). kReuse: a barrier at the end,
-// so that the caller may scan again with the same warp_sums right after.
-template <bool kReuse = true>
+// Inclusive block scan of one int per thread (kThreads threads), with a barrier at the end, so
+// that the caller may scan again with the same warp_sums right after.
 __device__ __forceinline__ int block_inclusive_scan(int x, int* warp_sums) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
@@ -179,8 +182,27 @@ __device__ __forceinline__ int block_inclusive_scan(int x, int* warp_sums) {
   }
   __syncthreads();
   const int res = x + (warp > 0 ? warp_sums[warp - 1] : 0);
-  if constexpr (kReuse) __syncthreads();  // warp_sums is reused by the caller's next scan
+  __syncthreads();  // warp_sums is reused by the caller's next scan
   return res;
+}
+
+// The same scan of non-negative ints with one barrier and none at the end (warp_sums must not
+// be written again before the caller's next barrier). NOTES (v22): each warp publishes its
+// total (one REDUX) before the barrier and scans its lanes beside it; after the barrier every
+// warp adds the totals of the warps below it, one shared load per lane and one REDUX, instead
+// of warp 0 scanning the totals between two more barriers.
+__device__ __forceinline__ int block_inclusive_scan_1bar(int x, int* warp_sums) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t total = __reduce_add_sync(0xffffffffu, static_cast<uint32_t>(x));
+  if (lane == 0) warp_sums[warp] = static_cast<int>(total);
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  __syncthreads();
+  const uint32_t below = lane < warp ? static_cast<uint32_t>(warp_sums[lane]) : 0u;
+  return x + static_cast<int>(__reduce_add_sync(0xffffffffu, below));
 }
 
 // A tile of a row's keys: thread t holds blocks base + (u * kThreads + t) * 4 + (0..3), u < 8
@@ -701,11 +723,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   // key, d1, is the one with run < 512 <= run + count, and the bins at or above it are exactly
   // those with run < 512. So each bin's first slot and the rank work (the sum of count^2 over
   // the bins at or above d1) need no d1, and are written with the search for it.
-  const int incl = block_inclusive_scan<false>(sum, sh.scan);
+  const int incl = block_inclusive_scan_1bar(sum, sh.scan);
   if (tid == kThreads - 1) sh.usable = incl;
   {
     int run = incl - sum;
-    unsigned long long w = 0;
+    // NOTES (v20): the rank work in 32 bits: a bin of more than kBufCap keys fails the fast
+    // path's other test anyway, so counts are clamped to kBufCap + 1 and a thread's sum to
+    // kRankWorkCap + 1 (still above the cap where the true sum is): a warp's REDUX and one
+    // shared atomic, not a 64-bit shuffle tree and a CAS loop.
+    uint32_t w = 0;
     // The thread's bins, if its top one is at or above d1 (else none is ever read).
     if (run < kBlockTopk) {
       uint32_t st[kBinsPerThread], cu[kBinsPerThread];
@@ -717,7 +743,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           sh.digit_count = cnt[i];
         }
         if (run < kBlockTopk) {
-          w += static_cast<unsigned long long>(cnt[i]) * static_cast<unsigned long long>(cnt[i]);
+          const uint32_t c = static_cast<uint32_t>(min(cnt[i], kBufCap + 1));
+          w += c * c;
         }
         st[i] = run;
         cu[i] = dist_row ? run + cnt[i] : run;  // a distributed row's buffer is filled
@@ -729,8 +756,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       *reinterpret_cast<uint4*>(cursor + bin0) = make_uint4(cu[7], cu[6], cu[5], cu[4]);
       *reinterpret_cast<uint4*>(cursor + bin0 + 4) = make_uint4(cu[3], cu[2], cu[1], cu[0]);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) w += __shfl_xor_sync(0xffffffffu, w, o);
+    w = __reduce_add_sync(0xffffffffu, min(w, uint32_t(kRankWorkCap) + 1u));
     if (lane == 0 && w) atomicAdd(&sh.work, w);
   }
   __syncthreads();
@@ -740,7 +766,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t d1 = all_win ? 0u : sh.digit;  // the bin of the 512-th largest key
   const int total = all_win ? usable : sh.above + sh.digit_count;  // keys with digit >= d1
 
-  const bool fast = !p.generic_path && total <= kBufCap && sh.work <= kRankWorkCap;
+  const bool fast = !p.generic_path && total <= kBufCap && sh.work <= uint32_t(kRankWorkCap);
   // (key, ~j) descending = score descending, lower block first on ties.
   auto entry = [](int j, uint32_t key) {
     return (static_cast<unsigned long long>(key) << 32) |
@@ -773,6 +799,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
     // A key's place = its bin's first slot + the bin mates above it; places < kb are output.
+    // NOTES (v21): a key's 4 tokens as one 16-byte store where the row starts 16-byte aligned
+    // (two 8-byte stores where it starts 8-byte aligned), else 4 scalar stores.
+    static_assert(kRatio == 4, "a key's tokens are one int4");
+    const uint32_t out_align = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(out) >> 2) & 3u;
     for (int s = tid; s < total; s += kThreads) {
       const unsigned long long e = buf[s];
       const uint32_t bin = first_digit(static_cast<uint32_t>(e >> 32), top);
@@ -783,9 +813,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int place = lo + above_e;
       if (place < kb) {
         const int64_t j = 0xffffffffu - static_cast<uint32_t>(e);
+        const int32_t t0 = static_cast<int32_t>(j * kRatio);
+        int32_t* o = out + place * kRatio;
+        if (out_align == 0) {
+          *reinterpret_cast<int4*>(o) = make_int4(t0, t0 + 1, t0 + 2, t0 + 3);
+        } else if (out_align == 2) {
+          reinterpret_cast<int2*>(o)[0] = make_int2(t0, t0 + 1);
+          reinterpret_cast<int2*>(o)[1] = make_int2(t0 + 2, t0 + 3);
+        } else {
 #pragma unroll
-        for (int i = 0; i < kRatio; ++i) {
-          out[place * kRatio + i] = static_cast<int32_t>(j * kRatio + i);
+          for (int i = 0; i < kRatio; ++i) o[i] = t0 + i;
         }
       }
     }

@@ -482,14 +482,24 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
 // partial (unnormalised sums, max and sum per head) and releases it on the row counter;
 // CTAs 0..mergers-1 then wait for the row's `splits` arrivals and each merges 32-output
 // slices over all partials in split order (fixed, so the result does not depend on which CTA
-// arrives last). The last merger to finish resets the counter.
+// arrives last).
+// NOTES (v20): the row counter is an epoch counter, never reset: every call adds exactly
+// kSmallEpoch to it (CTA 0 adds 1 + kSmallEpoch - splits, every other CTA 1), so it holds a
+// multiple of kSmallEpoch between calls. A merger's arrival returns the value before it,
+// whose epoch base (rounded down to kSmallEpoch) tells the value that completes this call;
+// the merger waits for that (a signed difference, so the wrap at 2^32 is harmless). No
+// merger has to count itself out again and reset the counter: one atomic round trip less.
+// These counters have slots of their own, after the cluster kernel's (which start at zero).
 constexpr int kMergeCols = 32;                          // outputs per merge slice
 constexpr int kMergeSlices = kOut / kMergeCols;         // 24
 constexpr int kCounterSpread = 32;  // row counters 128 bytes apart (no shared L2 sector)
 constexpr int kSmallMaxRows = kCounterSlots / kCounterSpread;
 constexpr int kSmallMinCols = 32;                       // the narrowest CTA: 8 warps x 4
 constexpr int kSmallMaxSplits = (kWidth + kSmallMinCols - 1) / kSmallMinCols;  // 65
+constexpr uint32_t kSmallEpoch = 128;                   // added to a row counter per call
 static_assert(kHeadDim % kMergeCols == 0, "a merge slice lies in one head");
+static_assert(kSmallMaxSplits <= int(kSmallEpoch), "every arrival of a call in one epoch");
+static_assert((kSmallEpoch & (kSmallEpoch - 1)) == 0, "epochs divide 2^32");
 
 template <int kW>
 struct SmallShared {
@@ -638,14 +648,22 @@ __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
     mine[kOut + kHeads + tid] = sh.cl[tid];
   }
   __syncthreads();
-  int32_t* counter = p.counters + r * kCounterSpread;
-  if (tid == 0) detail::red_add_release_gpu(counter, 1);
-  detail::allow_dependents();  // partial released: the next kernel may take the SMs left
-  if (s >= mergers) return;
+  int32_t* counter = p.counters + kCounterSlots + r * kCounterSpread;
+  const int add = s == 0 ? 1 + int(kSmallEpoch) - splits : 1;
+  if (s >= mergers) {
+    if (tid == 0) detail::red_add_release_gpu(counter, add);
+    detail::allow_dependents();  // partial released: the next kernel may take the SMs left
+    return;
+  }
 
   // ---- Mergers: wait for the row's partials, merge slices in split order ----------------
+  uint32_t before = 0;
+  if (tid == 0) before = static_cast<uint32_t>(atomic_add_acq_rel_gpu(counter, add));
+  detail::allow_dependents();
   if (tid == 0) {
-    while (detail::ld_acquire_gpu(counter) < splits) {
+    const uint32_t done = (before & ~(kSmallEpoch - 1)) + kSmallEpoch;
+    while (static_cast<int32_t>(static_cast<uint32_t>(detail::ld_acquire_gpu(counter)) - done) <
+           0) {
     }
   }
   __syncthreads();
@@ -699,8 +717,6 @@ __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
     }
     __syncthreads();
   }
-  // Every merger adds one more after it has seen all arrivals: the last one resets.
-  if (tid == 0 && atomicAdd(counter, 1) == splits + mergers - 1) *counter = 0;
 }
 
 // CTAs per cluster for a split count: the whole row up to 8 splits, else clusters of 8.
@@ -823,7 +839,8 @@ size_t attention_workspace_bytes(int64_t rows, int requested, int device) {
   return path_workspace(path, rows, path_splits(path, rows, requested, sms));
 }
 
-int64_t attention_counter_slots() { return kCounterSlots; }
+// The cluster kernel's (row, slice) counters, then the decode-size kernel's row counters.
+int64_t attention_counter_slots() { return kCounterSlots + kSmallMaxRows * kCounterSpread; }
 
 int64_t attention_launch_count(int64_t rows) { return rows > 0 ? 1 : 0; }
 

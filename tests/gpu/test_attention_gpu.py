@@ -141,6 +141,34 @@ def test_deterministic(cuda_backend):
         assert torch.equal(case.out, first)
 
 
+def test_decode_counters_across_calls(cuda_backend, monkeypatch):
+    """The decode-size kernel's row counters are never reset (each call adds one epoch): calls
+    of 65 splits (R = 1, 2), 33 (R = 8) and the cluster kernel's (R = 9, and 16 forced splits:
+    counters of its own) interleaved on one stream give each call's first result bit for bit,
+    many times over."""
+    runs = [(1, None), (8, None), (2, None), (9, None), (9, "16")]
+
+    def call(i: int, case: testing.AttentionCase) -> torch.Tensor:
+        splits = runs[i][1]
+        if splits is None:
+            monkeypatch.delenv(ops.SPLITS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(ops.SPLITS_ENV, splits)
+        testing.poison_(case.out)
+        return qsa_ops.sparse_paged_attention(*case.args())
+
+    cases = [
+        testing.random_attention_case(R, 3, 8, 12, device=DEVICE, seed=70 + i, valid_fraction=0.8)
+        for i, (R, _) in enumerate(runs)
+    ]
+    firsts = [call(i, case).clone() for i, case in enumerate(cases)]
+    for case, first in zip(cases, firsts, strict=True):
+        testing.check_attention(case, first)
+    for round_ in range(40):
+        for i, case in enumerate(cases):
+            assert torch.equal(call(i, case), firsts[i]), f"round {round_}, {case!r}"
+
+
 def test_refusals_on_cuda(cuda_backend):
     case = testing.make_attention_case("valid_width_32", 1, DEVICE)
     args = list(case.args())
