@@ -160,38 +160,13 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// Inclusive block scan of one int per thread (kThreads threads), with a barrier at the end, so
-// that the caller may scan again with the same warp_sums right after.
-__device__ __forceinline__ int block_inclusive_scan(int x, int* warp_sums) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == 31) warp_sums[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    int w = lane < kWarps ? warp_sums[lane] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, w, o);
-      if (lane >= o) w += y;
-    }
-    if (lane < kWarps) warp_sums[lane] = w;
-  }
-  __syncthreads();
-  const int res = x + (warp > 0 ? warp_sums[warp - 1] : 0);
-  __syncthreads();  // warp_sums is reused by the caller's next scan
-  return res;
-}
-
-// The same scan of non-negative ints with one barrier and none at the end (warp_sums must not
-// be written again before the caller's next barrier). NOTES (v22): each warp publishes its
+// Inclusive block scan of one non-negative int per thread (kThreads threads), with one barrier
+// and none at the end: warp_sums must not be written again before the caller's next barrier
+// (both callers pass barriers before their next scan). NOTES (v22): each warp publishes its
 // total (one REDUX) before the barrier and scans its lanes beside it; after the barrier every
 // warp adds the totals of the warps below it, one shared load per lane and one REDUX, instead
 // of warp 0 scanning the totals between two more barriers.
-__device__ __forceinline__ int block_inclusive_scan_1bar(int x, int* warp_sums) {
+__device__ __forceinline__ int block_inclusive_scan(int x, int* warp_sums) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const uint32_t total = __reduce_add_sync(0xffffffffu, static_cast<uint32_t>(x));
   if (lane == 0) warp_sums[warp] = static_cast<int>(total);
@@ -723,7 +698,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // key, d1, is the one with run < 512 <= run + count, and the bins at or above it are exactly
   // those with run < 512. So each bin's first slot and the rank work (the sum of count^2 over
   // the bins at or above d1) need no d1, and are written with the search for it.
-  const int incl = block_inclusive_scan_1bar(sum, sh.scan);
+  const int incl = block_inclusive_scan(sum, sh.scan);
   if (tid == kThreads - 1) sh.usable = incl;
   {
     int run = incl - sum;
