@@ -151,7 +151,7 @@ def _measure(units: dict[str, object], cfg: BenchConfig) -> dict[str, object]:
     }
 
 
-def _graph_unit(call, copies: list[Args], est: float, cfg: BenchConfig) -> GraphUnit:
+def graph_unit(call, copies: list[Args], est: float, cfg: BenchConfig) -> GraphUnit:
     min_calls = min(len(copies), cfg.max_calls)
     calls = timing.calls_per_unit(est, cfg.unit_s, cfg.max_calls, cfg.max_unit_s, min_calls)
     unit = GraphUnit(call, copies, calls, cfg.device)
@@ -161,6 +161,25 @@ def _graph_unit(call, copies: list[Args], est: float, cfg: BenchConfig) -> Graph
         unit.close()
         unit = GraphUnit(call, copies, better, cfg.device)
     return unit
+
+
+def rotated_copies(
+    spec: CaseSpec, cfg: BenchConfig
+) -> tuple[list[Args], cases.FloorBytes, dict[str, object]]:
+    """The case's inputs, rotated past the cache (timing.make_copies): (copies, the bytes of
+    its memory floor, the rotation's record)."""
+    inputs = cases.build(spec, cfg.device, cfg.seed)
+    fb = cases.floor_bytes(spec.op, inputs.tensors)
+    rotation = timing.plan(
+        fb.total,
+        timing.page_bytes(inputs),
+        int(timing.used_pages(inputs).numel()),
+        int(cfg.rotation_factor * cfg.cache_bytes),
+        cfg.max_copies,
+        cfg.memory_budget,
+    )
+    copies, pool_info = timing.make_copies(inputs, rotation, cfg.seed)
+    return copies, fb, {**rotation.to_dict(), **pool_info}
 
 
 def run_case(
@@ -177,21 +196,9 @@ def run_case(
     result: dict[str, object] = {"spec": spec.to_dict(), "impls": {}, "modes": {}, "errors": []}
 
     status("build")
-    inputs = cases.build(spec, device, cfg.seed)
-    fb = cases.floor_bytes(spec.op, inputs.tensors)
+    copies, fb, result["rotation"] = rotated_copies(spec, cfg)
     floor_s = fb.seconds(bandwidth)
     result["floor"] = {**fb.to_dict(), "seconds": floor_s, "bandwidth_bytes_per_s": bandwidth}
-    rotation = timing.plan(
-        fb.total,
-        timing.page_bytes(inputs),
-        int(timing.used_pages(inputs).numel()),
-        int(cfg.rotation_factor * cfg.cache_bytes),
-        cfg.max_copies,
-        cfg.memory_budget,
-    )
-    copies, pool_info = timing.make_copies(inputs, rotation, cfg.seed)
-    del inputs
-    result["rotation"] = {**rotation.to_dict(), **pool_info}
 
     chosen, skipped = impls.select(
         spec.op, spec.rows, device, ledger.skip_reason(spec, cfg), cfg.rowwise_max_rows,
@@ -235,7 +242,7 @@ def run_case(
                     calls = timing.calls_per_unit(est, cfg.unit_s, cfg.max_calls, cfg.max_unit_s)
                     units[impl.name] = EagerUnit(impl.call, own, calls, device)
                 else:
-                    units[impl.name] = _graph_unit(impl.call, own, est, cfg)
+                    units[impl.name] = graph_unit(impl.call, own, est, cfg)
             except Exception as exc:
                 result["impls"][impl.name][f"{mode}_error"] = format_error(exc)
         if not units:
