@@ -41,7 +41,6 @@ constexpr int kKvPage = QSA_KV_PAGE;
 constexpr int kTokenHalves = 2 * QSA_HEAD_DIM;
 constexpr uint32_t kEpoch = 512;  // added to a row counter per call (>= every split count)
 constexpr int kOut = QSA_ATTN_HEADS * QSA_HEAD_DIM;   // 768 outputs per row
-constexpr int kPart = kOut + 2 * QSA_ATTN_HEADS;      // a partial: 768 sums, max and sum per head
 constexpr int kSlices = kOut / 32;                    // 24 merge slices of 32 outputs
 
 struct Probe {
@@ -53,7 +52,7 @@ struct Probe {
   int64_t table_stride;
   const int32_t* token_to_req;
   int64_t requests, table_width, pages;
-  uint32_t* words;     // one per (row, CTA); kPart per (row, CTA) for the wide probes
+  uint32_t* words;     // one per (row, CTA); a whole partial per (row, CTA) for the wide ones
   int32_t* counters;   // one per row, 32 apart
   uint32_t* out;       // one per row; kOut per row for the wide probes
 };
@@ -159,8 +158,12 @@ __global__ void __launch_bounds__(kW * 32) probe_split(Probe p) {
 // 3 maxima, 3 sums), CTAs 0..mergers-1 wait for the row and each reads its 32-output slices
 // of every partial (and the maxima and sums), warps over splits g, g + 8, ..., folds them
 // through shared memory and writes the slice. The arithmetic of both steps is left out.
-template <int kT>
+// kHalf: the sums as float16 (two per word; the maxima and sums stay 32-bit words), half the
+// bytes.
+template <int kT, bool kHalf>
 __global__ void __launch_bounds__(256) probe_wide(Probe p) {
+  constexpr int kSums = kHalf ? kOut / 2 : kOut;  // words of sums per partial
+  constexpr int kWords = kSums + 2 * QSA_ATTN_HEADS;
   grid_dependency_wait();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int s = blockIdx.x, splits = gridDim.x;
@@ -173,8 +176,8 @@ __global__ void __launch_bounds__(256) probe_wide(Probe p) {
   uint32_t y = 0;
 #pragma unroll
   for (int w = 0; w < 8; ++w) y ^= sh[w];
-  uint32_t* mine = p.words + (r * splits + s) * kPart;
-  for (int o = tid; o < kPart; o += 256) mine[o] = y ^ o;
+  uint32_t* mine = p.words + (r * splits + s) * kWords;
+  for (int o = tid; o < kWords; o += 256) mine[o] = y ^ o;
   __syncthreads();
   int32_t* counter = p.counters + r * 32;
   const int add = s == 0 ? 1 + int(kEpoch) - splits : 1;
@@ -192,15 +195,24 @@ __global__ void __launch_bounds__(256) probe_wide(Probe p) {
   allow_dependents();
   __syncthreads();
   __shared__ uint32_t g[8][32];
-  const uint32_t* row = p.words + r * splits * kPart;
+  const uint32_t* row = p.words + r * splits * kWords;
   for (int slice = s; slice < kSlices; slice += mergers) {
     const int o = slice * 32 + lane;
     const int h = o / QSA_HEAD_DIM;
-    uint32_t z = 0;
-    for (int sp = warp; sp < splits; sp += 8) {
-      const uint32_t* pc = row + sp * kPart;
-      z ^= __ldcg(pc + o) ^ __ldcg(pc + kOut + h) ^ __ldcg(pc + kOut + QSA_ATTN_HEADS + h);
+    // every load of the slice issued before the first is used, as the kernel's merge does
+    constexpr int kGroup = ((kWidth + 8 * kT - 1) / (8 * kT) + 7) / 8;
+    uint32_t a[kGroup], m[kGroup], l[kGroup];
+#pragma unroll
+    for (int u = 0; u < kGroup; ++u) {  // past the row's splits: split 0 again, masked below
+      const int sp = warp + 8 * u;
+      const uint32_t* pc = row + (sp < splits ? sp : 0) * kWords;
+      a[u] = __ldcg(pc + (kHalf ? o / 2 : o));
+      m[u] = __ldcg(pc + kSums + h);
+      l[u] = __ldcg(pc + kSums + QSA_ATTN_HEADS + h);
     }
+    uint32_t z = 0;
+#pragma unroll
+    for (int u = 0; u < kGroup; ++u) z ^= warp + 8 * u < splits ? a[u] ^ m[u] ^ l[u] : 0u;
     g[warp][lane] = z;
     __syncthreads();
     if (tid < 32) {
@@ -313,8 +325,11 @@ extern "C" int floor_probe(const char* name, int64_t rows, const void* q, const 
   if (is("exchange-33")) return launch(probe_split<8, 8, true>, dim3(n(64), R), 256, 1, true, p, st);
   if (is("exchange-257")) return launch(probe_split<8, 1, true>, dim3(n(8), R), 256, 1, true, p, st);
   if (is("loads-257")) return launch(probe_split<8, 1, false>, dim3(n(8), R), 256, 1, true, p, st);
-  if (is("wide-65")) return launch(probe_wide<4>, dim3(n(32), R), 256, 1, true, p, st);
-  if (is("wide-129")) return launch(probe_wide<2>, dim3(n(16), R), 256, 1, true, p, st);
+  if (is("wide-33")) return launch(probe_wide<8, false>, dim3(n(64), R), 256, 1, true, p, st);
+  if (is("wide-65")) return launch(probe_wide<4, false>, dim3(n(32), R), 256, 1, true, p, st);
+  if (is("wide-129")) return launch(probe_wide<2, false>, dim3(n(16), R), 256, 1, true, p, st);
+  if (is("wide-half-33")) return launch(probe_wide<8, true>, dim3(n(64), R), 256, 1, true, p, st);
+  if (is("wide-half-65")) return launch(probe_wide<4, true>, dim3(n(32), R), 256, 1, true, p, st);
   if (is("cluster-8")) return launch(probe_cluster<8, 9>, dim3(8, R), 1024, 8, false, p, st);
   if (is("cluster-16")) return launch(probe_cluster<16, 5>, dim3(16, R), 1024, 16, false, p, st);
   if (is("single")) return launch(probe_single<4>, dim3(1, R), 1024, 1, false, p, st);

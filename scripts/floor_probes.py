@@ -38,8 +38,11 @@ PROBES = {
     "exchange-129": ("129 CTAs + one hand-off", "a split row: loads, release, acquire, read back"),
     "loads-257": ("257 CTAs x 8 warps x 1 token", "the three load levels, no hand-off"),
     "exchange-257": ("257 CTAs + one hand-off", "a split row: loads, release, acquire, read back"),
+    "wide-33": ("33 CTAs + the kernel's hand-off", "partials of 774 words, 24 merging CTAs"),
     "wide-65": ("65 CTAs + the kernel's hand-off", "partials of 774 words, 24 merging CTAs"),
     "wide-129": ("129 CTAs + the kernel's hand-off", "partials of 774 words, 24 merging CTAs"),
+    "wide-half-33": ("33 CTAs + float16 partials", "partials of 390 words, 24 merging CTAs"),
+    "wide-half-65": ("65 CTAs + float16 partials", "partials of 390 words, 24 merging CTAs"),
     "cluster-8": ("one cluster of 8 x 1024 threads", "a row on one cluster, DSMEM gather"),
     "cluster-16": ("one cluster of 16 x 1024 threads", "a row on one cluster, DSMEM gather"),
     "single": ("one CTA of 1024 threads", "a row on one SM"),
@@ -47,6 +50,7 @@ PROBES = {
 WORDS_PER_ROW = 129 * 774  # >= the most CTAs of a probe per row x a wide probe's partial
 OUT_PER_ROW = 768  # a wide probe's outputs per row
 COUNTER_SPREAD = 32
+COOPERATIVE_TOO_LARGE = 720  # cudaErrorCooperativeLaunchTooLarge
 
 
 def source_sha256() -> dict[str, str]:
@@ -86,6 +90,8 @@ def probe_call(lib: ctypes.CDLL, name: str, scratch: dict[str, torch.Tensor]):
             scratch["words"].data_ptr(), scratch["counters"].data_ptr(),
             scratch["out"].data_ptr(), torch.cuda.current_stream().cuda_stream,
         )  # fmt: skip
+        if err == COOPERATIVE_TOO_LARGE:
+            raise RuntimeError(f"probe {name}: the grid is not resident at once (error {err})")
         if err != 0:
             raise RuntimeError(f"probe {name}: launch failed (error {err})")
 
