@@ -240,6 +240,81 @@ __device__ __forceinline__ uint32_t ld_dsmem(const uint32_t* local, uint32_t ran
   return v;
 }
 
+// Clusters, then a global hand-off (grid (splits, R), clusters of kC CTAs along x, 8 warps of
+// kT columns per CTA): each CTA keeps its partial (774 words) in shared memory; after a
+// cluster barrier CTA `rank` gathers slice `rank` of the cluster's partial over distributed
+// shared memory (every CTA of the cluster, all loads issued together) and writes it to
+// global memory; after a second barrier the cluster's rank 0 releases it on the row counter.
+// The row's first cluster merges: its rank 0 acquires every cluster's arrival, a third
+// barrier passes that on, and each of its CTAs reads its slice of every cluster partial and
+// writes its outputs. The spin is bounded (a grid that is not resident at once reports, not
+// hangs): the word after the row counter is set to 1 then.
+template <int kC, int kT>
+__global__ void __launch_bounds__(256) probe_tree(Probe p) {
+  grid_dependency_wait();
+  constexpr int kWords = kOut + 2 * QSA_ATTN_HEADS;
+  constexpr int kSlice = kOut / kC;  // outputs gathered per CTA
+  static_assert(kOut % kC == 0 && kSlice + 2 * QSA_ATTN_HEADS <= 256, "one word per thread");
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int s = blockIdx.x, clusters = gridDim.x / kC, cl = s / kC;
+  const int rank = static_cast<int>(cluster_rank());
+  const int64_t r = blockIdx.y;
+  const uint32_t x = warp_tokens<kT>(p, r, (s * 8 + warp) * kT, lane, true);
+  __shared__ uint32_t sh[8];
+  __shared__ uint32_t part[kWords];
+  if (lane == 0) sh[warp] = x;
+  __syncthreads();
+  uint32_t y = 0;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) y ^= sh[w];
+  for (int o = tid; o < kWords; o += 256) part[o] = y ^ o;
+  cluster_sync();
+  // thread t < kSlice: output rank * kSlice + t; the next 6 (rank 0 only): the maxima and sums
+  const bool sums = tid < kSlice;
+  const bool stats = rank == 0 && tid >= kSlice && tid < kSlice + 2 * QSA_ATTN_HEADS;
+  const int w = sums ? rank * kSlice + tid : kOut + (tid - kSlice);
+  uint32_t* mine = p.words + (r * clusters + cl) * kWords;
+  if (sums || stats) {
+    uint32_t v[kC];
+#pragma unroll
+    for (int c = 0; c < kC; ++c) v[c] = ld_dsmem(&part[w], c);
+    uint32_t z = 0;
+#pragma unroll
+    for (int c = 0; c < kC; ++c) z ^= v[c];
+    mine[w] = z;
+  }
+  cluster_sync();  // the cluster's partial written; no CTA leaves while its part may be read
+  int32_t* counter = p.counters + r * 32;
+  if (cl != 0) {
+    if (rank == 0 && tid == 0) qsa::detail::red_add_release_gpu(counter, 1);
+    allow_dependents();
+    return;
+  }
+  if (rank == 0 && tid == 0) {
+    const int add = 1 + int(kEpoch) - clusters;
+    const uint32_t before = static_cast<uint32_t>(qsa::detail::atomic_add_acq_rel_gpu(counter, add));
+    const uint32_t done = (before & ~(kEpoch - 1)) + kEpoch;
+    int spins = 0;
+    while (static_cast<int32_t>(static_cast<uint32_t>(qsa::detail::ld_acquire_gpu(counter)) - done) < 0 &&
+           ++spins < (1 << 22)) {
+    }
+    if (spins >= (1 << 22)) atomicExch(counter + 1, 1);
+  }
+  allow_dependents();
+  cluster_sync();  // rank 0's acquire passed on to the cluster
+  if (sums || stats) {
+    const uint32_t* row = p.words + r * clusters * kWords;
+    constexpr int kMaxClusters = 16;
+    uint32_t v[kMaxClusters];
+#pragma unroll
+    for (int c = 0; c < kMaxClusters; ++c) v[c] = __ldcg(row + (c < clusters ? c : 0) * kWords + w);
+    uint32_t z = 0;
+#pragma unroll
+    for (int c = 0; c < kMaxClusters; ++c) z ^= c < clusters ? v[c] : 0u;
+    if (sums) p.out[r * kOut + w] = z;
+  }
+}
+
 // One cluster of kC CTAs per row (grid (kC, R)), 32 warps of kT columns each.
 template <int kC, int kT>
 __global__ void __launch_bounds__(1024) probe_cluster(Probe p) {
@@ -330,6 +405,10 @@ extern "C" int floor_probe(const char* name, int64_t rows, const void* q, const 
   if (is("wide-129")) return launch(probe_wide<2, false>, dim3(n(16), R), 256, 1, true, p, st);
   if (is("wide-half-33")) return launch(probe_wide<8, true>, dim3(n(64), R), 256, 1, true, p, st);
   if (is("wide-half-65")) return launch(probe_wide<4, true>, dim3(n(32), R), 256, 1, true, p, st);
+  if (is("tree-9x16")) return launch(probe_tree<16, 2>, dim3(144, R), 256, 16, false, p, st);
+  if (is("tree-17x8")) return launch(probe_tree<8, 2>, dim3(136, R), 256, 8, false, p, st);
+  if (is("tree-9x8")) return launch(probe_tree<8, 4>, dim3(72, R), 256, 8, false, p, st);
+  if (is("tree-5x16")) return launch(probe_tree<16, 4>, dim3(80, R), 256, 16, false, p, st);
   if (is("cluster-8")) return launch(probe_cluster<8, 9>, dim3(8, R), 1024, 8, false, p, st);
   if (is("cluster-16")) return launch(probe_cluster<16, 5>, dim3(16, R), 1024, 16, false, p, st);
   if (is("single")) return launch(probe_single<4>, dim3(1, R), 1024, 1, false, p, st);

@@ -43,6 +43,10 @@ PROBES = {
     "wide-129": ("129 CTAs + the kernel's hand-off", "partials of 774 words, 24 merging CTAs"),
     "wide-half-33": ("33 CTAs + float16 partials", "partials of 390 words, 24 merging CTAs"),
     "wide-half-65": ("65 CTAs + float16 partials", "partials of 390 words, 24 merging CTAs"),
+    "tree-5x16": ("5 clusters of 16 CTAs x 8 warps x 4 tokens", "cluster gather, then hand-off"),
+    "tree-9x8": ("9 clusters of 8 CTAs x 8 warps x 4 tokens", "cluster gather, then hand-off"),
+    "tree-9x16": ("9 clusters of 16 CTAs x 8 warps x 2 tokens", "cluster gather, then hand-off"),
+    "tree-17x8": ("17 clusters of 8 CTAs x 8 warps x 2 tokens", "cluster gather, then hand-off"),
     "cluster-8": ("one cluster of 8 x 1024 threads", "a row on one cluster, DSMEM gather"),
     "cluster-16": ("one cluster of 16 x 1024 threads", "a row on one cluster, DSMEM gather"),
     "single": ("one CTA of 1024 threads", "a row on one SM"),
@@ -210,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                     scratch["out"].fill_(0x5A5A5A5A)  # poison
                     call(copies[0])
                     torch.cuda.synchronize(device)
+                    if name.startswith("tree"):
+                        spun = scratch["counters"].view(r, COUNTER_SPREAD)[:, 1]
+                        res["check"] = "spin ran out (not resident)" if spun.any() else "finished"
                     if name.startswith(("exchange", "cluster")):
                         got = [int(x) & 0xFFFFFFFF for x in scratch["out"][:r].tolist()]
                         want = [expected_fold(copies[0], i) for i in range(r)]
