@@ -89,8 +89,20 @@ __device__ __forceinline__ uint32_t warp_tokens(const Probe& p, int64_t r, int c
     k[j] = ldg16_pred(tok, valid);
     v[j] = ldg16_pred(tok + QSA_HEAD_DIM, valid);
   }
+  // Every fold term waits for every load (`gate` is 0 at run time, unknown to the compiler,
+  // and an addition does not reassociate with the XORs): without it ptxas folded each token as
+  // it arrived and issued the next token's loads after that, one DRAM round trip per token
+  // (the kernel's own loads are kept together the same way: its "first use" note).
+  const uint32_t zero = static_cast<uint32_t>(p.pages >> 62);  // pages < 2^62
+  uint32_t all = 0;
 #pragma unroll
-  for (int j = 0; j < kT; ++j) x ^= k[j].x ^ k[j].y ^ k[j].z ^ k[j].w ^ v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+  for (int j = 0; j < kT; ++j) all |= k[j].x | v[j].x;
+  const uint32_t gate = all & zero;
+#pragma unroll
+  for (int j = 0; j < kT; ++j) {
+    x ^= (k[j].x + gate) ^ (k[j].y + gate) ^ (k[j].z + gate) ^ (k[j].w + gate);
+    x ^= (v[j].x + gate) ^ (v[j].y + gate) ^ (v[j].z + gate) ^ (v[j].w + gate);
+  }
   return __reduce_xor_sync(0xffffffffu, x);
 }
 

@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--probes", default=",".join(PROBES))
     p.add_argument("--out-dir", default="results")
+    p.add_argument("--commit", default=None, help="the commit to record (default: git's state)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("[floors] skipped: no CUDA device (the probes run on the GPU only)")
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     data: dict = {
-        "environment": cli.environment(device),
+        "environment": cli.environment(device, args.commit),
         "sources_sha256": source_sha256(),
         "pairs": cfg.pairs,
         "cases": [],
