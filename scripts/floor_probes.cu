@@ -57,7 +57,10 @@ struct Probe {
   uint32_t* out;       // one per row; kOut per row for the wide probes
 };
 
-// Warp: kT columns from `col0`, the three load levels, every loaded word folded.
+// Warp: kT columns from `col0`, the three load levels, every loaded word folded. Levels 1-2
+// are attention_small_kernel's, line for line (a probe must load what the kernel loads); they
+// move into a helper of csrc/qsa/common.cuh shared by both with the kernel's next change (a
+// change there is a change of the validated library's sources).
 template <int kT>
 __device__ __forceinline__ uint32_t warp_tokens(const Probe& p, int64_t r, int col0, int lane,
                                                 bool with_q) {
