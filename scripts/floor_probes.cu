@@ -175,14 +175,16 @@ __global__ void __launch_bounds__(kW * 32) probe_split(Probe p) {
 // through shared memory and writes the slice. The arithmetic of both steps is left out.
 // kHalf: the sums as float16 (two per word; the maxima and sums stay 32-bit words), half the
 // bytes.
-template <int kT, bool kHalf>
+// kMode (decomposition): 0 the whole hand-off; 1 the partials written, one merging CTA reading
+// one word of each; 2 one word per partial, 24 merging CTAs reading it from every partial.
+template <int kT, bool kHalf, int kMode = 0>
 __global__ void __launch_bounds__(256) probe_wide(Probe p) {
   constexpr int kSums = kHalf ? kOut / 2 : kOut;  // words of sums per partial
   constexpr int kWords = kSums + 2 * QSA_ATTN_HEADS;
   grid_dependency_wait();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int s = blockIdx.x, splits = gridDim.x;
-  const int mergers = splits < kSlices ? splits : kSlices;
+  const int mergers = kMode == 1 ? 1 : splits < kSlices ? splits : kSlices;
   const int64_t r = blockIdx.y;
   const uint32_t x = warp_tokens<kT>(p, r, (s * 8 + warp) * kT, lane, true);
   __shared__ uint32_t sh[8];
@@ -192,7 +194,11 @@ __global__ void __launch_bounds__(256) probe_wide(Probe p) {
 #pragma unroll
   for (int w = 0; w < 8; ++w) y ^= sh[w];
   uint32_t* mine = p.words + (r * splits + s) * kWords;
-  for (int o = tid; o < kWords; o += 256) mine[o] = y ^ o;
+  if (kMode == 2) {
+    if (tid == 0) mine[0] = y;
+  } else {
+    for (int o = tid; o < kWords; o += 256) mine[o] = y ^ o;
+  }
   __syncthreads();
   int32_t* counter = p.counters + r * 32;
   const int add = s == 0 ? 1 + int(kEpoch) - splits : 1;
@@ -211,6 +217,14 @@ __global__ void __launch_bounds__(256) probe_wide(Probe p) {
   __syncthreads();
   __shared__ uint32_t g[8][32];
   const uint32_t* row = p.words + r * splits * kWords;
+  if constexpr (kMode == 1) {
+    if (tid == 0) g[0][0] = 0;
+    __syncthreads();
+    for (int i = tid; i < splits; i += 256) atomicXor(&g[0][0], __ldcg(row + i * kWords + kSums));
+    __syncthreads();
+    if (tid == 0) p.out[r * kOut] = g[0][0];
+    return;
+  }
   for (int slice = s; slice < kSlices; slice += mergers) {
     const int o = slice * 32 + lane;
     const int h = o / QSA_HEAD_DIM;
@@ -221,9 +235,14 @@ __global__ void __launch_bounds__(256) probe_wide(Probe p) {
     for (int u = 0; u < kGroup; ++u) {  // past the row's splits: split 0 again, masked below
       const int sp = warp + 8 * u;
       const uint32_t* pc = row + (sp < splits ? sp : 0) * kWords;
-      a[u] = __ldcg(pc + (kHalf ? o / 2 : o));
-      m[u] = __ldcg(pc + kSums + h);
-      l[u] = __ldcg(pc + kSums + QSA_ATTN_HEADS + h);
+      if constexpr (kMode == 2) {
+        a[u] = __ldcg(pc);
+        m[u] = l[u] = 0;
+      } else {
+        a[u] = __ldcg(pc + (kHalf ? o / 2 : o));
+        m[u] = __ldcg(pc + kSums + h);
+        l[u] = __ldcg(pc + kSums + QSA_ATTN_HEADS + h);
+      }
     }
     uint32_t z = 0;
 #pragma unroll
@@ -420,6 +439,8 @@ extern "C" int floor_probe(const char* name, int64_t rows, const void* q, const 
   if (is("wide-129")) return launch(probe_wide<2, false>, dim3(n(16), R), 256, 1, true, p, st);
   if (is("wide-half-33")) return launch(probe_wide<8, true>, dim3(n(64), R), 256, 1, true, p, st);
   if (is("wide-half-65")) return launch(probe_wide<4, true>, dim3(n(32), R), 256, 1, true, p, st);
+  if (is("wide-write-65")) return launch(probe_wide<4, false, 1>, dim3(n(32), R), 256, 1, true, p, st);
+  if (is("wide-poll-65")) return launch(probe_wide<4, false, 2>, dim3(n(32), R), 256, 1, true, p, st);
   if (is("tree-9x16")) return launch(probe_tree<16, 2>, dim3(144, R), 256, 16, false, p, st);
   if (is("tree-17x8")) return launch(probe_tree<8, 2>, dim3(136, R), 256, 8, false, p, st);
   if (is("tree-9x8")) return launch(probe_tree<8, 4>, dim3(72, R), 256, 8, false, p, st);

@@ -43,6 +43,8 @@ PROBES = {
     "wide-129": ("129 CTAs + the kernel's hand-off", "partials of 774 words, 24 merging CTAs"),
     "wide-half-33": ("33 CTAs + float16 partials", "partials of 390 words, 24 merging CTAs"),
     "wide-half-65": ("65 CTAs + float16 partials", "partials of 390 words, 24 merging CTAs"),
+    "wide-write-65": ("65 CTAs, whole partials, 1 merging CTA", "the partials' writes + release"),
+    "wide-poll-65": ("65 CTAs, 1-word partials, 24 merging CTAs", "24 waiting and reading CTAs"),
     "tree-5x16": ("5 clusters of 16 CTAs x 8 warps x 4 tokens", "cluster gather, then hand-off"),
     "tree-9x8": ("9 clusters of 8 CTAs x 8 warps x 4 tokens", "cluster gather, then hand-off"),
     "tree-9x16": ("9 clusters of 16 CTAs x 8 warps x 2 tokens", "cluster gather, then hand-off"),
