@@ -176,11 +176,13 @@ __global__ void __launch_bounds__(kW * 32) probe_split(Probe p) {
 // kHalf: the sums as float16 (two per word; the maxima and sums stay 32-bit words), half the
 // bytes.
 // kMode (decomposition): 0 the whole hand-off; 1 the partials written, one merging CTA reading
-// one word of each; 2 one word per partial, 24 merging CTAs reading it from every partial.
+// one word of each; 2 one word per partial, 24 merging CTAs reading it from every partial;
+// 3 as 0 without the maxima and sums read; 4 as 0 with partials 128-byte aligned (800 words
+// apart); 5 as 0 with each warp reading one partial only (a ninth of the loads).
 template <int kT, bool kHalf, int kMode = 0>
 __global__ void __launch_bounds__(256) probe_wide(Probe p) {
   constexpr int kSums = kHalf ? kOut / 2 : kOut;  // words of sums per partial
-  constexpr int kWords = kSums + 2 * QSA_ATTN_HEADS;
+  constexpr int kWords = kMode == 4 ? 800 : kSums + 2 * QSA_ATTN_HEADS;
   grid_dependency_wait();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int s = blockIdx.x, splits = gridDim.x;
@@ -197,7 +199,7 @@ __global__ void __launch_bounds__(256) probe_wide(Probe p) {
   if (kMode == 2) {
     if (tid == 0) mine[0] = y;
   } else {
-    for (int o = tid; o < kWords; o += 256) mine[o] = y ^ o;
+    for (int o = tid; o < kSums + 2 * QSA_ATTN_HEADS; o += 256) mine[o] = y ^ o;
   }
   __syncthreads();
   int32_t* counter = p.counters + r * 32;
@@ -238,6 +240,13 @@ __global__ void __launch_bounds__(256) probe_wide(Probe p) {
       if constexpr (kMode == 2) {
         a[u] = __ldcg(pc);
         m[u] = l[u] = 0;
+      } else if constexpr (kMode == 3) {
+        a[u] = __ldcg(pc + o);
+        m[u] = l[u] = 0;
+      } else if constexpr (kMode == 5) {
+        a[u] = u == 0 ? __ldcg(pc + o) : 0u;
+        m[u] = u == 0 ? __ldcg(pc + kSums + h) : 0u;
+        l[u] = u == 0 ? __ldcg(pc + kSums + QSA_ATTN_HEADS + h) : 0u;
       } else {
         a[u] = __ldcg(pc + (kHalf ? o / 2 : o));
         m[u] = __ldcg(pc + kSums + h);
@@ -440,6 +449,9 @@ extern "C" int floor_probe(const char* name, int64_t rows, const void* q, const 
   if (is("wide-half-33")) return launch(probe_wide<8, true>, dim3(n(64), R), 256, 1, true, p, st);
   if (is("wide-half-65")) return launch(probe_wide<4, true>, dim3(n(32), R), 256, 1, true, p, st);
   if (is("wide-write-65")) return launch(probe_wide<4, false, 1>, dim3(n(32), R), 256, 1, true, p, st);
+  if (is("wide-sums-65")) return launch(probe_wide<4, false, 3>, dim3(n(32), R), 256, 1, true, p, st);
+  if (is("wide-aligned-65")) return launch(probe_wide<4, false, 4>, dim3(n(32), R), 256, 1, true, p, st);
+  if (is("wide-one-65")) return launch(probe_wide<4, false, 5>, dim3(n(32), R), 256, 1, true, p, st);
   if (is("wide-poll-65")) return launch(probe_wide<4, false, 2>, dim3(n(32), R), 256, 1, true, p, st);
   if (is("tree-9x16")) return launch(probe_tree<16, 2>, dim3(144, R), 256, 16, false, p, st);
   if (is("tree-17x8")) return launch(probe_tree<8, 2>, dim3(136, R), 256, 8, false, p, st);
