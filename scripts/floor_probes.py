@@ -71,7 +71,7 @@ def build(out: Path, device: torch.device) -> ctypes.CDLL:
     major, minor = torch.cuda.get_device_capability(device)
     arch = f"sm_{major}{minor}" + ("a" if major == 9 else "")
     so = out / "floor_probes.so"
-    cmd = ["nvcc", "-O3", "-std=c++17", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC",
+    cmd = ["nvcc", "-O3", "-std=c++17", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC", "-diag-suppress", "128",
            "-o", str(so), str(SOURCE)]  # fmt: skip
     print(f"[floors] nvcc -arch={arch} {SOURCE.name} ...", flush=True)
     subprocess.run(cmd, check=True)
