@@ -253,9 +253,18 @@ __global__ void __launch_bounds__(256) probe_wide(Probe p) {
         l[u] = __ldcg(pc + kSums + QSA_ATTN_HEADS + h);
       }
     }
+    // every term waits for every load (the kernel's merge does the same; without it ptxas
+    // folded each split's words before issuing the next split's loads)
+    const uint32_t zero = static_cast<uint32_t>(p.pages >> 62);  // pages < 2^62
+    uint32_t all = 0;
+#pragma unroll
+    for (int u = 0; u < kGroup; ++u) all |= a[u] | m[u] | l[u];
+    const uint32_t gate = all & zero;
     uint32_t z = 0;
 #pragma unroll
-    for (int u = 0; u < kGroup; ++u) z ^= warp + 8 * u < splits ? a[u] ^ m[u] ^ l[u] : 0u;
+    for (int u = 0; u < kGroup; ++u) {
+      z ^= warp + 8 * u < splits ? (a[u] + gate) ^ (m[u] + gate) ^ (l[u] + gate) : 0u;
+    }
     g[warp][lane] = z;
     __syncthreads();
     if (tid < 32) {
