@@ -16,7 +16,8 @@
 //                     reads the words back and writes the row's result
 //   cluster<kC>       one cluster of kC CTAs (1024 threads each) per row: the loads, then the
 //                     CTAs' words gathered over distributed shared memory (no global hand-off)
-//   single            one CTA (1024 threads) per row loading the whole row: one SM's bandwidth
+//   single            one CTA (1024 threads) per row loading the whole row in chunks (an
+//                     indication of one SM, not a tuned single-CTA kernel)
 //
 // Not part of the library: built at run time with nvcc, loaded with ctypes.
 #include <cuda_fp16.h>
@@ -107,6 +108,20 @@ __device__ __forceinline__ uint32_t warp_tokens(const Probe& p, int64_t r, int c
     x ^= (v[j].x + gate) ^ (v[j].y + gate) ^ (v[j].z + gate) ^ (v[j].w + gate);
   }
   return __reduce_xor_sync(0xffffffffu, x);
+}
+
+// XOR of n loaded words, every term waiting for every load (see warp_tokens).
+template <int n>
+__device__ __forceinline__ uint32_t gated_fold(const uint32_t (&v)[n], const Probe& p) {
+  const uint32_t zero = static_cast<uint32_t>(p.pages >> 62);  // pages < 2^62
+  uint32_t all = 0;
+#pragma unroll
+  for (int i = 0; i < n; ++i) all |= v[i];
+  const uint32_t gate = all & zero;
+  uint32_t z = 0;
+#pragma unroll
+  for (int i = 0; i < n; ++i) z ^= v[i] + gate;
+  return z;
 }
 
 // The CTA's warps combined: one barrier; the result in thread 0.
@@ -330,10 +345,7 @@ __global__ void __launch_bounds__(256) probe_tree(Probe p) {
     uint32_t v[kC];
 #pragma unroll
     for (int c = 0; c < kC; ++c) v[c] = ld_dsmem(&part[w], c);
-    uint32_t z = 0;
-#pragma unroll
-    for (int c = 0; c < kC; ++c) z ^= v[c];
-    mine[w] = z;
+    mine[w] = gated_fold<kC>(v, p);
   }
   cluster_sync();  // the cluster's partial written; no CTA leaves while its part may be read
   int32_t* counter = p.counters + r * 32;
@@ -359,10 +371,8 @@ __global__ void __launch_bounds__(256) probe_tree(Probe p) {
     constexpr int kMaxClusters = 16;
     uint32_t v[kMaxClusters];
 #pragma unroll
-    for (int c = 0; c < kMaxClusters; ++c) v[c] = __ldcg(row + (c < clusters ? c : 0) * kWords + w);
-    uint32_t z = 0;
-#pragma unroll
-    for (int c = 0; c < kMaxClusters; ++c) z ^= c < clusters ? v[c] : 0u;
+    for (int c = 0; c < kMaxClusters; ++c) v[c] = c < clusters ? __ldcg(row + c * kWords + w) : 0u;
+    const uint32_t z = gated_fold<kMaxClusters>(v, p);
     if (sums) p.out[r * kOut + w] = z;
   }
 }
@@ -381,10 +391,10 @@ __global__ void __launch_bounds__(1024) probe_cluster(Probe p) {
   allow_dependents();
   cluster_sync();
   if (s == 0 && tid == 0) {
-    uint32_t z = 0;
+    uint32_t v[kC];
 #pragma unroll
-    for (int c = 0; c < kC; ++c) z ^= ld_dsmem(&word, c);
-    p.out[r] = z;
+    for (int c = 0; c < kC; ++c) v[c] = ld_dsmem(&word, c);
+    p.out[r] = gated_fold<kC>(v, p);
   }
   cluster_sync();  // no CTA leaves while its word may still be read
 }
