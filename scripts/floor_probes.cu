@@ -6,7 +6,10 @@
 // Every probe reads the row's inputs the way the decode-size kernel does: level 1 q,
 // token_to_req and the index columns; level 2 the page-table entries; level 3 every K/V line
 // (1 KiB per token), all of a warp's loads issued before the first is used; the loaded words
-// are folded with XOR (so that none can be dropped) and the fold written out.
+// are folded with XOR (so that none can be dropped) and the fold written out. Every fold waits
+// for all of its loads (gated_fold): a fold that consumed each load as it arrived let ptxas
+// issue the next load after it, one round trip per load, and a probe must not be slower than
+// the structure it stands for.
 //
 //   launch            the grid of CTAs and nothing else (the launch and completion floor)
 //   loads<kW,kT>      grid (splits, R) of kW warps x kT tokens: the three load levels, the
@@ -14,6 +17,11 @@
 //   exchange<kW,kT>   loads, then the one cross-CTA hand-off a split row needs: every CTA
 //                     releases its word on the row's epoch counter, CTA 0 acquires them all,
 //                     reads the words back and writes the row's result
+//   wide<kT>          loads, then the decode-size kernel's own hand-off: a whole partial (768
+//                     sums, 3 maxima, 3 sums) per CTA, 24 merging CTAs reading their slices
+//                     of every partial (float16 sums: half the bytes); decomposition modes
+//   tree<kC,kT>       clusters of kC CTAs gathering their partials over distributed shared
+//                     memory, then the cluster partials handed off through global memory
 //   cluster<kC>       one cluster of kC CTAs (1024 threads each) per row: the loads, then the
 //                     CTAs' words gathered over distributed shared memory (no global hand-off)
 //   single            one CTA (1024 threads) per row loading the whole row in chunks (an
