@@ -144,7 +144,8 @@ def markdown(data: dict) -> str:
     lines = [
         f"# Floor probes of the decode-size attention: {env.get('device_name')}",
         "",
-        f"Commit {env.get('git', {}).get('commit')}; probe sources "
+        f"Commit {env.get('git', {}).get('commit')}; library "
+        f"{(env.get('dso') or {}).get('sha256', 'unknown')[:12]}; probe sources "
         + ", ".join(f"{k} {v[:12]}" for k, v in data["sources_sha256"].items())
         + f". Graph replay, L2-cold (the benchmark's rotation), {data['pairs']} B/C/B pairs per "
         "probe against sparse_paged_attention (median per call, us).",
