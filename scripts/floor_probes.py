@@ -25,39 +25,43 @@ from pathlib import Path
 
 import torch
 
+from custom_esimd_kernels_vllm.qsa_ops import contract
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "scripts" / "floor_probes.cu"
-# name -> (structure, what it bounds)
+# name -> the structure it stands for (what each does: the .cu file's header)
 PROBES = {
-    "launch": ("65 CTAs, empty", "launch and completion of a 65-CTA grid, back to back"),
-    "loads-33": ("33 CTAs x 8 warps x 8 tokens", "the three load levels, no hand-off"),
-    "loads-65": ("65 CTAs x 8 warps x 4 tokens", "the three load levels, no hand-off"),
-    "loads-129": ("129 CTAs x 8 warps x 2 tokens", "the three load levels, no hand-off"),
-    "exchange-33": ("33 CTAs + one hand-off", "a split row: loads, release, acquire, read back"),
-    "exchange-65": ("65 CTAs + one hand-off", "a split row: loads, release, acquire, read back"),
-    "exchange-129": ("129 CTAs + one hand-off", "a split row: loads, release, acquire, read back"),
-    "loads-257": ("257 CTAs x 8 warps x 1 token", "the three load levels, no hand-off"),
-    "exchange-257": ("257 CTAs + one hand-off", "a split row: loads, release, acquire, read back"),
-    "wide-33": ("33 CTAs + the kernel's hand-off", "partials of 774 words, 24 merging CTAs"),
-    "wide-65": ("65 CTAs + the kernel's hand-off", "partials of 774 words, 24 merging CTAs"),
-    "wide-129": ("129 CTAs + the kernel's hand-off", "partials of 774 words, 24 merging CTAs"),
-    "wide-half-33": ("33 CTAs + float16 partials", "partials of 390 words, 24 merging CTAs"),
-    "wide-half-65": ("65 CTAs + float16 partials", "partials of 390 words, 24 merging CTAs"),
-    "wide-write-65": ("65 CTAs, whole partials, 1 merging CTA", "the partials' writes + release"),
-    "wide-poll-65": ("65 CTAs, 1-word partials, 24 merging CTAs", "24 waiting and reading CTAs"),
-    "wide-sums-65": ("wide-65 without the maxima and sums read", "the slices' reads"),
-    "wide-aligned-65": ("wide-65, partials 128-byte aligned", "line alignment of the partials"),
-    "wide-one-65": ("wide-65, one partial read per warp", "a ninth of the merge's loads"),
-    "tree-5x16": ("5 clusters of 16 CTAs x 8 warps x 4 tokens", "cluster gather, then hand-off"),
-    "tree-9x8": ("9 clusters of 8 CTAs x 8 warps x 4 tokens", "cluster gather, then hand-off"),
-    "tree-9x16": ("9 clusters of 16 CTAs x 8 warps x 2 tokens", "cluster gather, then hand-off"),
-    "tree-17x8": ("17 clusters of 8 CTAs x 8 warps x 2 tokens", "cluster gather, then hand-off"),
-    "cluster-8": ("one cluster of 8 x 1024 threads", "a row on one cluster, DSMEM gather"),
-    "cluster-16": ("one cluster of 16 x 1024 threads", "a row on one cluster, DSMEM gather"),
-    "single": ("one CTA of 1024 threads", "a row on one SM"),
+    "launch": "65 CTAs, empty",
+    "loads-33": "33 CTAs x 8 warps x 8 tokens",
+    "loads-65": "65 CTAs x 8 warps x 4 tokens",
+    "loads-129": "129 CTAs x 8 warps x 2 tokens",
+    "exchange-33": "33 CTAs + one hand-off",
+    "exchange-65": "65 CTAs + one hand-off",
+    "exchange-129": "129 CTAs + one hand-off",
+    "loads-257": "257 CTAs x 8 warps x 1 token",
+    "exchange-257": "257 CTAs + one hand-off",
+    "wide-33": "33 CTAs + the kernel's hand-off",
+    "wide-65": "65 CTAs + the kernel's hand-off",
+    "wide-129": "129 CTAs + the kernel's hand-off",
+    "wide-half-33": "33 CTAs + float16 partials",
+    "wide-half-65": "65 CTAs + float16 partials",
+    "wide-write-65": "65 CTAs, whole partials, 1 merging CTA",
+    "wide-poll-65": "65 CTAs, 1-word partials, 24 merging CTAs",
+    "wide-sums-65": "wide-65 without the maxima and sums read",
+    "wide-aligned-65": "wide-65, partials 128-byte aligned",
+    "wide-one-65": "wide-65, one partial read per warp",
+    "tree-5x16": "5 clusters of 16 CTAs x 8 warps x 4 tokens",
+    "tree-9x8": "9 clusters of 8 CTAs x 8 warps x 4 tokens",
+    "tree-9x16": "9 clusters of 16 CTAs x 8 warps x 2 tokens",
+    "tree-17x8": "17 clusters of 8 CTAs x 8 warps x 2 tokens",
+    "cluster-8": "one cluster of 8 x 1024 threads",
+    "cluster-16": "one cluster of 16 x 1024 threads",
+    "single": "one CTA of 1024 threads",
 }
-WORDS_PER_ROW = 129 * 774  # >= the most CTAs of a probe per row x a wide probe's partial
-OUT_PER_ROW = 768  # a wide probe's outputs per row
+OUT_PER_ROW = contract.ATTN_HEADS * contract.HEAD_DIM  # a wide probe's outputs per row
+# the most CTAs of a probe per row x a wide probe's partial (the outputs, a maximum and a sum
+# per head)
+WORDS_PER_ROW = 129 * (OUT_PER_ROW + 2 * contract.ATTN_HEADS)
 COUNTER_SPREAD = 32
 COOPERATIVE_TOO_LARGE = 720  # cudaErrorCooperativeLaunchTooLarge
 
@@ -121,8 +125,6 @@ def expected_fold(a: dict[str, torch.Tensor], row: int) -> int:
     """What the exchange and cluster probes write for ``row``: the XOR of the 32-bit words of
     every K/V token its index row resolves to (holes read nothing; q is loaded an even number
     of times there and cancels)."""
-    from custom_esimd_kernels_vllm.qsa_ops import contract
-
     page = contract.KV_PAGE
     li = a["logical_indices"][row].long()
     b = int(a["token_to_req"][row])
@@ -160,7 +162,7 @@ def markdown(data: dict) -> str:
                 continue
             check = r.get("check", "")
             lines.append(
-                f"| {case['rows']} | {name} | {PROBES[name][0]} | {r['kernel_us']:.2f} | "
+                f"| {case['rows']} | {name} | {PROBES[name]} | {r['kernel_us']:.2f} | "
                 f"{r['probe_us']:.2f} | {r['probe_us'] / r['kernel_us']:.2f} | {check} |"
             )
     return "\n".join(lines) + "\n"
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     with tempfile.TemporaryDirectory() as tmp:
         lib = build(Path(tmp), device)
-        for spec in [c for c in grid if c.rows in rows and c.width == 2051]:
+        for spec in [c for c in grid if c.rows in rows]:
             t0 = time.perf_counter()
             print(f"[floors] {spec.name}: building the rotated inputs", flush=True)
             copies, _, rotation = run.rotated_copies(spec, cfg)
