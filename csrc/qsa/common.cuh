@@ -210,6 +210,22 @@ __device__ __forceinline__ int ld_acquire_gpu(const int32_t* p) {
   return v;
 }
 
+// Epoch counters: a counter that is never reset. Every call adds exactly `epoch` (a power of
+// two, at least the call's arrivals) to it: the first CTA adds 1 + epoch - arrivals, every
+// other CTA 1 (epoch_add), so it holds a multiple of epoch between calls. An arrival that
+// returns the value before it knows the value that completes its call (its epoch base plus
+// epoch) and epoch_wait waits for that, comparing by a signed difference (2^32 is a multiple
+// of epoch: the wrap is harmless). Nobody has to count out again and reset the counter.
+__device__ __forceinline__ int epoch_add(bool first, int arrivals, uint32_t epoch) {
+  return first ? 1 + static_cast<int>(epoch) - arrivals : 1;
+}
+__device__ __forceinline__ void epoch_wait(const int32_t* counter, uint32_t before,
+                                           uint32_t epoch) {
+  const uint32_t done = (before & ~(epoch - 1)) + epoch;
+  while (static_cast<int32_t>(static_cast<uint32_t>(ld_acquire_gpu(counter)) - done) < 0) {
+  }
+}
+
 // Programmatic dependent launch (PDL). A kernel launched with it (pdl_attribute) may start
 // while the kernel before it in the stream still runs: grid_dependency_wait() returns once
 // that kernel has completed and its writes are visible, so every kernel calls it before its

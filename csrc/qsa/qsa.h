@@ -42,7 +42,8 @@ struct SelectParams {
   void* workspace;                // >= select_workspace_bytes(rows, table_width) bytes
   size_t workspace_bytes;
   int32_t* counters;              // >= select_counter_slots() int32, zero on first use;
-                                  // every call leaves them zero again
+                                  // every call leaves them zero again, but the pairs
+                                  // select's row counters a multiple of their epoch
   bool generic_path;              // every row through the generic select (tests)
   bool pdl;                       // launched with programmatic dependent launch (see above)
 };
@@ -50,7 +51,7 @@ struct SelectParams {
 // Bytes of scratch the selection needs: one uint32 score key per candidate block of a group
 // of rows (rows are processed in groups so that the scratch stays bounded).
 size_t select_workspace_bytes(int64_t rows, int64_t table_width);
-// Row-arrival counters of the fused kernel (one per row of a group).
+// Row-arrival counters of the fused kernel (one per row of a group, and the pairs select's).
 int64_t select_counter_slots();
 // Number of kernel launches one call makes (1 per row group; 0 when rows == 0).
 int64_t select_launch_count(int64_t rows, int64_t table_width);

@@ -6,10 +6,14 @@
 //     or, for a short row spread over more CTAs than it has pages, 16-block chunks dealt to
 //     the warps across the CTAs; it stores each block's score as an order-preserving uint32
 //     key in the workspace;
-//   * the CTA that arrives last at its row's counter selects the row: a 4096-bin histogram of
-//     the keys (bins relative to the row's largest key: the last CTA takes it from the keys
-//     it loads, or, in a launch with streamed rows, every CTA folds its own into one
-//     atomicMax before it arrives) gives the bin of the 512-th largest; every key at or above
+//   * a row of few blocks for its CTAs, in a launch of at most 4 rows, is selected by all of its
+//     CTAs at once (the pairs select, kPairsMaxRows): once every CTA has stored its keys, each
+//     ranks its share of the blocks against all of the row's keys and writes the chosen ones
+//     at their rank;
+//   * otherwise the CTA that arrives last at its row's counter selects the row: a 4096-bin
+//     histogram of the keys (bins relative to the row's largest key: the last CTA takes it
+//     from the keys it loads, or, in a launch with streamed rows, every CTA folds its own into
+//     one atomicMax before it arrives) gives the bin of the 512-th largest; every key at or above
 //     that bin goes to a shared buffer at its bin's offset (bins descending), and each key's
 //     place inside its bin is its rank by (key desc, block asc), counted against its bin
 //     mates; the place is the output column. Rows whose bins hold too many equal keys (mass
@@ -113,6 +117,28 @@ constexpr int64_t kCounterSlots = 8192;        // one arrival counter per row of
 // of every CTA's before it arrives), read and reset to 0 by the row's last CTA.
 constexpr int64_t kMaxKeySlot = kCounterSlots;
 
+// NOTES (v27): the pairs select. In a launch of at most kPairsMaxRows rows without streamed
+// rows whose grid is resident at once (cooperative), a row of few blocks for its CTAs
+// (nbv <= kPairsMaxBlocks and ceil(nbv / CTAs) * nbv <= kPairsWork) is selected by all of its
+// CTAs together: each arrives on the row's epoch counter once its keys are stored and waits
+// for the others, loads all of the row's keys (4 blocks per thread and tile slot) and ranks
+// its share of the blocks (kc = ceil(nbv / CTAs) consecutive blocks per CTA) against them.
+// A block's rank by (key desc, block asc) is its place in the row, so a block ranked below
+// 512 writes its 4 tokens there: no histogram, scan, buffer or last CTA. The row's last CTA
+// writes the tail and the padding. Its counters are epoch counters (never reset), in slots of
+// their own after the largest keys'. P8192 at R = 1 (2,303 blocks, 132 CTAs): 5.92-6.04 us
+// against the last-CTA select's 6.27-6.37 in the same runs (NOTES v27).
+constexpr int kPairsMaxRows = 4;
+constexpr int kPairsSlots = 2;                          // tile slots of keys per thread
+constexpr int kPairsMaxBlocks = kPairsSlots * kThreads * 4;  // 4096
+constexpr int64_t kPairsWork = int64_t(1) << 16;        // compares per CTA at most
+constexpr uint32_t kPairsEpoch = 1u << 16;              // added to a row counter per call
+constexpr int kPairsSpread = 32;                        // row counters 128 bytes apart
+constexpr int64_t kPairsSlot = 2 * kCounterSlots;
+static_assert(int64_t(kDigitBins) * kDigitBins >= kPairsWork,
+              "a share (kc <= sqrt(kPairsWork) blocks) fits the histogram's shared words");
+static_assert((kPairsEpoch & (kPairsEpoch - 1)) == 0, "epochs divide 2^32");
+
 // The first digit of key (> 0) in a row whose largest key is maxkey.
 __device__ __forceinline__ uint32_t first_digit(uint32_t key, uint32_t top) {
   const int d = int(key >> kDigitShift) - int(top) + (kDigitBins - 1);  // top = maxkey >> shift
@@ -189,12 +215,12 @@ constexpr int kTile = kThreads * 4 * kStreamUnroll;  // 16384 blocks
 // them once, so the time of a short row went to instruction fetch (ncu: `no_inst` stalls at
 // the visits' lines): stopping at the row's end took P8192 from 9.3 to 8.4 us. On streamed
 // tiles the same branches cost 1 us at 128K (32K blocks), so they are not taken there.
-template <bool kBounded>
+template <bool kBounded, int kN>
 __device__ __forceinline__ void load_tile(const uint32_t* keys, int nbv, int base,
-                                          uint4 (&v)[kStreamUnroll]) {
+                                          uint4 (&v)[kN]) {
   const uint4* k4 = reinterpret_cast<const uint4*>(keys);  // rows start 16-byte aligned
 #pragma unroll
-  for (int u = 0; u < kStreamUnroll; ++u) {
+  for (int u = 0; u < kN; ++u) {
     if constexpr (kBounded) {
       if (base + u * kThreads * 4 >= nbv) {  // uniform over the CTA
         v[u] = make_uint4(0, 0, 0, 0);
@@ -418,6 +444,129 @@ __device__ __noinline__ int select_generic(const uint32_t* K, int nbv, SelectSha
   return kb;
 }
 
+// Block j's 4 tokens at place `place` of the row `out`. NOTES (v21): one 16-byte store where
+// the row starts 16-byte aligned (two 8-byte stores where it starts 8-byte aligned), else 4
+// scalar stores.
+__device__ __forceinline__ void write_block(int32_t* out, int place, int64_t j) {
+  static_assert(kRatio == 4, "a block's tokens are one int4");
+  const uint32_t out_align = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(out) >> 2) & 3u;
+  const int32_t t0 = static_cast<int32_t>(j * kRatio);
+  int32_t* o = out + place * kRatio;
+  if (out_align == 0) {
+    *reinterpret_cast<int4*>(o) = make_int4(t0, t0 + 1, t0 + 2, t0 + 3);
+  } else if (out_align == 2) {
+    reinterpret_cast<int2*>(o)[0] = make_int2(t0, t0 + 1);
+    reinterpret_cast<int2*>(o)[1] = make_int2(t0 + 2, t0 + 3);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kRatio; ++i) o[i] = t0 + i;
+  }
+}
+
+// The columns after kb chosen blocks: the tail tokens 4 nb .. n - 1, then -1 (by the CTA).
+__device__ __forceinline__ void write_tail(int32_t* out, int kb, int64_t n, int64_t nb) {
+  const int expanded = kb * kRatio;
+  const int tail = static_cast<int>(n - nb * kRatio);
+  const int64_t tail_first = nb * kRatio;
+  for (int c = expanded + threadIdx.x; c < kWidth; c += kThreads) {
+    out[c] = c < expanded + tail ? static_cast<int32_t>(tail_first + (c - expanded)) : -1;
+  }
+}
+
+// Whether a row takes the pairs select (v27): uniform over the row's CTAs.
+__device__ __forceinline__ bool pairs_row(bool pairs, bool b_ok, int64_t nbv) {
+  const int64_t kc = (nbv + gridDim.x - 1) / gridDim.x;
+  return pairs && b_ok && nbv > 0 && nbv <= kPairsMaxBlocks && kc * nbv <= kPairsWork;
+}
+
+// 1 if block j (key kj) comes before block i (key ki) in the row: key desc, block asc.
+__device__ __forceinline__ int comes_before(uint32_t kj, int j, uint32_t ki, int i) {
+  return kj > ki || (kj == ki && j < i) ? 1 : 0;
+}
+
+// The pairs select of one row (v27, see kPairsMaxRows): K its nv keys, ctr its epoch counter.
+// NOTES: each thread holds its blocks' keys in registers (tile slots) and counts, for every
+// block i of the CTA's share, how many of them come before i; a warp sums two blocks' counts
+// at once (16-bit halves of one word) and adds them in shared memory. A thread's key kj
+// comes before i when kj > ki, or kj == ki and j < i: for j below the share that is
+// kj >= ki, for j above it kj - 1 >= ki, so each compare is one subtraction's sign
+// (keys <= +inf's key + 1 < 2^31); the share's own blocks are ranked among themselves apart.
+__device__ __forceinline__ void select_pairs(const uint32_t* K, int nv, int64_t n, int64_t nb,
+                                             int32_t* out, int32_t* ctr, SelectShared& sh) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int ctas = static_cast<int>(gridDim.x);
+  const int kc = (nv + ctas - 1) / ctas;  // <= 256: kc * nv <= kPairsWork, kc <= nv
+  const int i0 = min(static_cast<int>(blockIdx.x) * kc, nv), i1 = min(i0 + kc, nv);
+  int* share = reinterpret_cast<int*>(sh.u.f.cursor);      // ki - 1 of the share's blocks
+  uint32_t* counts = sh.u.f.start;                         // two blocks per word
+  __syncthreads();  // every warp's keys stored before the release
+  if (tid == 0) {
+    const int add = detail::epoch_add(blockIdx.x == 0, ctas, kPairsEpoch);
+    detail::epoch_wait(ctr, static_cast<uint32_t>(atomic_add_acq_rel_gpu(ctr, add)), kPairsEpoch);
+  }
+  __syncthreads();
+  detail::allow_dependents();  // the row's keys are stored: the next kernel may take the SMs left
+  uint4 v[kPairsSlots];
+  load_tile<true>(K, nv, 0, v);
+  const uint32_t own = tid < i1 - i0 ? __ldcg(K + i0 + tid) : 0u;
+  if (tid < kc + 1) share[tid] = static_cast<int>(own) - 1;  // padded: kc may be odd
+  if (tid < (kc + 1) / 2) counts[tid] = 0u;
+  uint32_t usable = 0;
+  int kp[kPairsSlots][4];
+#pragma unroll
+  for (int u = 0; u < kPairsSlots; ++u) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = (u * kThreads + tid) * 4 + e;
+      const uint32_t kj = word(v[u], e);
+      usable += kj != 0 ? 1u : 0u;
+      kp[u][e] = j < i0 ? static_cast<int>(kj) : j >= i1 ? static_cast<int>(kj) - 1 : -1;
+    }
+  }
+  usable = __reduce_add_sync(0xffffffffu, usable);
+  if (lane == 0) sh.warp_gt[warp] = static_cast<int>(usable);
+  __syncthreads();
+  if (blockIdx.x == gridDim.x - 1) {  // off the rank's path: it needs only the usable count
+    int u = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) u += sh.warp_gt[w];
+    write_tail(out, min(kBlockTopk, u), n, nb);
+  }
+  // The share's own blocks among themselves (thread m: block i0 + m).
+  int rank = 0;
+  if (tid < i1 - i0) {
+    for (int m = 0; m < i1 - i0; ++m) {
+      rank += comes_before(static_cast<uint32_t>(share[m] + 1), m, own, tid);
+    }
+  }
+  // Warps whose second slot holds blocks of the row (uniform over the warp).
+  const bool slot1 = (kThreads + warp * 32) * 4 < nv;
+  static_assert(kPairsSlots == 2, "the rank loop below takes one or two slots");
+  for (int m = 0; m < i1 - i0; m += 2) {
+    const int2 q = *reinterpret_cast<const int2*>(share + m);  // ki - 1 of blocks m, m + 1
+    uint32_t a = 0, b = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      a += static_cast<uint32_t>(q.x - kp[0][e]) >> 31;
+      b += static_cast<uint32_t>(q.y - kp[0][e]) >> 31;
+    }
+    if (slot1) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        a += static_cast<uint32_t>(q.x - kp[1][e]) >> 31;
+        b += static_cast<uint32_t>(q.y - kp[1][e]) >> 31;
+      }
+    }
+    const uint32_t ab = __reduce_add_sync(0xffffffffu, a | (b << 16));  // each <= 256
+    if (lane == 0) atomicAdd(counts + m / 2, ab);
+  }
+  __syncthreads();
+  if (tid < i1 - i0 && own != 0) {
+    rank += static_cast<int>((counts[tid / 2] >> (16 * (tid & 1))) & 0xffffu);
+    if (rank < kBlockTopk) write_block(out, rank, i0 + tid);
+  }
+}
+
 // kStreamed: a launch whose table can hold more than kTile blocks (streamed_launch). A launch
 // without streamed rows runs an instantiation without their code (streamed visits, the
 // distributed select, the row's largest key in global memory), so a short row's last CTA
@@ -425,7 +574,7 @@ __device__ __noinline__ int select_generic(const uint32_t* K, int nbv, SelectSha
 template <bool kVec16, bool kStreamed>
 __global__ void __launch_bounds__(kThreads, 1)
     select_kernel(SelectParams p, int64_t row0, int64_t ncap, uint32_t* __restrict__ keys,
-                  int32_t* __restrict__ counters, uint32_t* __restrict__ dist) {
+                  int32_t* __restrict__ counters, uint32_t* __restrict__ dist, bool pairs) {
   __shared__ SelectShared sh;
   detail::grid_dependency_wait();  // before the first global access (a launch with pdl)
   const int64_t rl = blockIdx.y;
@@ -567,6 +716,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     ph1 = ph3;
     ph2 = ph4;
     ph3 = ph5;
+  }
+
+  if constexpr (!kStreamed) {
+    if (pairs_row(pairs, b_ok, nbv)) {
+      select_pairs(row_keys, static_cast<int>(nbv), n, nb, p.out + r * p.out_stride,
+                   counters + kPairsSlot + rl * kPairsSpread, sh);
+      return;
+    }
   }
 
   // ---- Arrival: the row's last CTA selects ----------------------------------------------
@@ -774,10 +931,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
     // A key's place = its bin's first slot + the bin mates above it; places < kb are output.
-    // NOTES (v21): a key's 4 tokens as one 16-byte store where the row starts 16-byte aligned
-    // (two 8-byte stores where it starts 8-byte aligned), else 4 scalar stores.
-    static_assert(kRatio == 4, "a key's tokens are one int4");
-    const uint32_t out_align = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(out) >> 2) & 3u;
     for (int s = tid; s < total; s += kThreads) {
       const unsigned long long e = buf[s];
       const uint32_t bin = first_digit(static_cast<uint32_t>(e >> 32), top);
@@ -786,20 +939,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll 4
       for (int x = lo; x < hi; ++x) above_e += buf[x] > e ? 1 : 0;
       const int place = lo + above_e;
-      if (place < kb) {
-        const int64_t j = 0xffffffffu - static_cast<uint32_t>(e);
-        const int32_t t0 = static_cast<int32_t>(j * kRatio);
-        int32_t* o = out + place * kRatio;
-        if (out_align == 0) {
-          *reinterpret_cast<int4*>(o) = make_int4(t0, t0 + 1, t0 + 2, t0 + 3);
-        } else if (out_align == 2) {
-          reinterpret_cast<int2*>(o)[0] = make_int2(t0, t0 + 1);
-          reinterpret_cast<int2*>(o)[1] = make_int2(t0 + 2, t0 + 3);
-        } else {
-#pragma unroll
-          for (int i = 0; i < kRatio; ++i) o[i] = t0 + i;
-        }
-      }
+      if (place < kb) write_block(out, place, 0xffffffffu - static_cast<uint32_t>(e));
     }
   } else {
     // Generic path (more than kBufCap keys in or above the threshold bin: mass ties).
@@ -811,13 +951,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
-  // Tail tokens, then -1 padding.
-  const int expanded = kb * kRatio;
-  const int tail = static_cast<int>(n - nb * kRatio);
-  const int64_t tail_first = nb * kRatio;
-  for (int c = expanded + tid; c < kWidth; c += kThreads) {
-    out[c] = c < expanded + tail ? static_cast<int32_t>(tail_first + (c - expanded)) : -1;
-  }
+  write_tail(out, kb, n, nb);
   if (tid == 0) {  // ready for the next call (and graph replay)
     counters[rl] = 0;
     if (dist_row) *maxkey = 0u;  // every CTA of the row read it before its second arrival
@@ -838,11 +972,12 @@ int64_t group_rows(int64_t rows, int64_t table_width) {
 bool streamed_launch(int64_t ncap) { return ncap > kTile; }
 
 cudaError_t launch_select(const cudaLaunchConfig_t& cfg, bool vec16, const SelectParams& p,
-                          int64_t row0, int64_t ncap, uint32_t* keys, uint32_t* dist) {
+                          int64_t row0, int64_t ncap, uint32_t* keys, uint32_t* dist,
+                          bool pairs) {
   auto* kernel = streamed_launch(ncap)
                      ? (vec16 ? select_kernel<true, true> : select_kernel<false, true>)
                      : (vec16 ? select_kernel<true, false> : select_kernel<false, false>);
-  return cudaLaunchKernelEx(&cfg, kernel, p, row0, ncap, keys, p.counters, dist);
+  return cudaLaunchKernelEx(&cfg, kernel, p, row0, ncap, keys, p.counters, dist, pairs);
 }
 
 }  // namespace select_impl
@@ -867,7 +1002,8 @@ size_t select_workspace_bytes(int64_t rows, int64_t table_width) {
   return words * sizeof(uint32_t);
 }
 
-int64_t select_counter_slots() { return 2 * kCounterSlots; }  // arrivals, then largest keys
+// Arrivals, largest keys, then the pairs select's epoch counters.
+int64_t select_counter_slots() { return kPairsSlot + kPairsMaxRows * kPairsSpread; }
 
 int64_t select_launch_count(int64_t rows, int64_t table_width) {
   if (rows <= 0) return 0;
@@ -910,21 +1046,28 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     cudaLaunchAttribute attr[2];
     cfg.attrs = attr;
     if (p.pdl) attr[cfg.numAttrs++] = detail::pdl_attribute();
-    // NOTES: the distributed select waits for the row's other CTAs: the grid must be resident
-    // at once (cooperative; refused where it is not, and the call then runs the last-CTA
-    // select). Rows at most one per SM of the stream's partition make at most one CTA per SM.
+    // NOTES: the distributed select and the pairs select wait for the row's other CTAs: the
+    // grid must be resident at once (cooperative; refused where it is not, and the call then
+    // runs the last-CTA select). Rows at most one per SM of the stream's partition make at
+    // most one CTA per SM.
     uint32_t* dist = nullptr;
+    bool pairs = false;
     if (n <= sms && n <= dist_rows(p.rows, p.table_width) &&
         chunks <= kDistPages * kGroups * ctas) {
       dist = keys + key_words(p.rows, p.table_width);
+    } else if (!streamed_launch(ncap) && !p.generic_path && n <= kPairsMaxRows &&
+               n * ctas <= sms && ctas < int64_t(kPairsEpoch)) {
+      pairs = true;
+    }
+    if (dist != nullptr || pairs) {
       attr[cfg.numAttrs].id = cudaLaunchAttributeCooperative;
       attr[cfg.numAttrs++].val.cooperative = 1;
     }
-    cudaError_t err = launch_select(cfg, vec16, p, row0, ncap, keys, dist);
+    cudaError_t err = launch_select(cfg, vec16, p, row0, ncap, keys, dist, pairs);
     if (err == cudaErrorCooperativeLaunchTooLarge) {
       (void)cudaGetLastError();
       --cfg.numAttrs;  // the cooperative attribute is the last
-      err = launch_select(cfg, vec16, p, row0, ncap, keys, nullptr);
+      err = launch_select(cfg, vec16, p, row0, ncap, keys, nullptr, false);
     }
     if (err == cudaSuccess) err = cudaGetLastError();
     if (err != cudaSuccess) return err;

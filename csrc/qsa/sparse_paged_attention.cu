@@ -483,12 +483,10 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
 // CTAs 0..mergers-1 then wait for the row's `splits` arrivals and each merges 32-output
 // slices over all partials in split order (fixed, so the result does not depend on which CTA
 // arrives last).
-// NOTES (v20): the row counter is an epoch counter, never reset: every call adds exactly
-// kSmallEpoch to it (CTA 0 adds 1 + kSmallEpoch - splits, every other CTA 1), so it holds a
-// multiple of kSmallEpoch between calls. A merger's arrival returns the value before it,
-// whose epoch base (rounded down to kSmallEpoch) tells the value that completes this call;
-// the merger waits for that (a signed difference, so the wrap at 2^32 is harmless). No
-// merger has to count itself out again and reset the counter: one atomic round trip less.
+// NOTES (v20): the row counter is an epoch counter (detail::epoch_add, epoch_wait; epoch
+// kSmallEpoch), never reset: a merger's arrival returns the value before it and waits for
+// the one that completes its call. No merger has to count itself out again and reset the
+// counter: one atomic round trip less.
 // These counters have slots of their own, after the cluster kernel's (which start at zero).
 constexpr int kMergeCols = 32;                          // outputs per merge slice
 constexpr int kMergeSlices = kOut / kMergeCols;         // 24
@@ -649,7 +647,7 @@ __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
   }
   __syncthreads();
   int32_t* counter = p.counters + kCounterSlots + r * kCounterSpread;
-  const int add = s == 0 ? 1 + int(kSmallEpoch) - splits : 1;
+  const int add = detail::epoch_add(s == 0, splits, kSmallEpoch);
   if (s >= mergers) {
     if (tid == 0) detail::red_add_release_gpu(counter, add);
     detail::allow_dependents();  // partial released: the next kernel may take the SMs left
@@ -660,12 +658,7 @@ __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
   uint32_t before = 0;
   if (tid == 0) before = static_cast<uint32_t>(atomic_add_acq_rel_gpu(counter, add));
   detail::allow_dependents();
-  if (tid == 0) {
-    const uint32_t done = (before & ~(kSmallEpoch - 1)) + kSmallEpoch;
-    while (static_cast<int32_t>(static_cast<uint32_t>(detail::ld_acquire_gpu(counter)) - done) <
-           0) {
-    }
-  }
+  if (tid == 0) detail::epoch_wait(counter, before, kSmallEpoch);
   __syncthreads();
   const float* row_parts = parts + r * splits * kPartStride;
   __half* out = static_cast<__half*>(p.out) + r * kOut;

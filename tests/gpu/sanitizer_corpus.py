@@ -41,6 +41,7 @@ def select_corpus():
     for seed in range(4):
         yield testing.random_select_case(9, 3, 7, 11, device=DEVICE, seed=10 + seed, integer=True)
     yield testing.make_select_case("p8192_saturated", 2, DEVICE, seed=6)
+    yield testing.make_select_case("p8192_saturated", 1, DEVICE, seed=6)  # the pairs select
     # more rows than SMs
     yield testing.random_select_case(
         140, 3, 7, 11, device=DEVICE, seed=20, integer=True, name="R=140"

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.gpu
 REPLAYS = 100
 
 
-def _select_case():
-    return testing.make_select_case("p8192_saturated", 2, DEVICE, seed=21)
+def _select_case(R):
+    return testing.make_select_case("p8192_saturated", R, DEVICE, seed=21)
 
 
 def _attention_case(R):
@@ -42,10 +42,12 @@ def _replay_identical(call, out, expected, stream=None):
 
 
 @pytest.mark.parametrize("warm", [True, False])
-def test_graph_select(cuda_backend, warm):
-    """warm=False captures on a fresh stream whose workspace does not exist yet (the
+@pytest.mark.parametrize("R", [1, 2])
+def test_graph_select(cuda_backend, R, warm):
+    """R=1 takes the pairs select (its row counter an epoch counter), R=2 the last-CTA select.
+    warm=False captures on a fresh stream whose workspace does not exist yet (the
     capture-time allocation path)."""
-    case = _select_case()
+    case = _select_case(R)
     expected = reference_select(case)
     stream = torch.cuda.Stream()
     if warm:
@@ -85,7 +87,7 @@ def test_graph_attention(cuda_backend, R, warm):
 
 
 def test_torch_compile_fullgraph(cuda_backend):
-    sel = _select_case()
+    sel = _select_case(2)
     att = _attention_case(2)
 
     def both(sel_args, att_args):
@@ -145,7 +147,7 @@ def test_graph_unwarmed_stream_one_fill(cuda_backend, op):
     calls: the graph replays one zero fill of the counters, not one per call."""
     calls = 4
     if op == "select":
-        case = _select_case()
+        case = _select_case(2)
         expected = reference_select(case)
 
         def call():
@@ -283,7 +285,7 @@ def test_pdl_wait_precedes_every_global_access():
 def _pdl_case(op):
     """(call, case, outputs) of one op on a small case."""
     if op == "select":
-        case = _select_case()
+        case = _select_case(2)
         return qsa_ops.select_paged_tokens, case, (case.out,)
     if op == "attention":
         case = _attention_case(2)

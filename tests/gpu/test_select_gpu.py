@@ -269,6 +269,77 @@ def test_fast_path_equals_generic_on_random_data(cuda_backend, monkeypatch, R, B
     check_rows(case, fast, exact=False, limit=4)
 
 
+def _pairs_case(R: int, positions: list[int], seed: int, integer: bool) -> testing.SelectCase:
+    """R rows of one request on a 40-page table (5,120 blocks: no streamed row), at the given
+    query positions."""
+    gen = torch.Generator().manual_seed(seed)
+    return testing.random_select_case(
+        R, 1, 40, 48, device=DEVICE, seed=seed, integer=integer, bad_values=False,
+        page_table=[torch.randperm(48, generator=gen)[:40].tolist()], token_to_req=[0] * R,
+        query_positions=positions, sequence_lengths=[20480], name=f"pairs_R{R}",
+    )  # fmt: skip
+
+
+# Rows of a launch of at most 4 rows take the pairs select (every CTA ranks its share of the
+# blocks) when the row has at most ceil(blocks / CTAs) * blocks <= 65,536 compares per CTA; the
+# others take the last-CTA select in the same launch. At R = 1 (132 SMs: up to 2,904 blocks),
+# R = 3 (44 CTAs: 1,680) and R = 4 (33 CTAs: 1,440), rows on both sides of the bound, rows
+# whose blocks all win, and a row with a tail only.
+_PAIRS_POSITIONS = {
+    1: [[9214], [11615], [11619], [1999], [2], [2050], [16383]],
+    3: [[3999, 4799, 20479], [7, 2047, 5887]],
+    4: [[5887, 1022, 20479, 4095], [5759, 5919, 12, 3]],
+}
+
+
+@pytest.mark.parametrize("R", sorted(_PAIRS_POSITIONS))
+def test_pairs_select_rows_exact(cuda_backend, R):
+    """Integer data (mass ties): bit-exact with the reference on both sides of the pairs
+    select's bound, rows of both selects in one launch, and out rows of every alignment."""
+    for k, positions in enumerate(_PAIRS_POSITIONS[R]):
+        case = _pairs_case(R, positions, seed=90 + k, integer=True)
+        out = run_cuda(case)
+        assert_equal_reference(case, out)
+
+
+@pytest.mark.parametrize("R", sorted(_PAIRS_POSITIONS))
+def test_pairs_select_equals_generic_on_random_data(cuda_backend, monkeypatch, R):
+    """Random float data (a non-trivial order, few ties): the pairs select, the last-CTA
+    select and the generic path rank the same stored keys, so they agree bit for bit."""
+    for k, positions in enumerate(_PAIRS_POSITIONS[R]):
+        case = _pairs_case(R, positions, seed=95 + k, integer=False)
+        monkeypatch.setenv("QSA_SELECT_PATH", "auto")
+        auto = run_cuda(case).clone()
+        case.out.fill_(testing.POISON_INT32)
+        monkeypatch.setenv("QSA_SELECT_PATH", "generic")
+        generic = run_cuda(case)
+        assert torch.equal(auto, generic), (positions, (auto != generic).nonzero()[:4].tolist())
+        check_rows(case, auto, exact=False, limit=4)
+
+
+def test_pairs_select_counters_across_calls(cuda_backend):
+    """The pairs select's row counters are never reset (each call adds one epoch): launches of
+    132, 44 and 33 CTAs per row and of the last-CTA select (R = 8) interleaved on one stream
+    give each call's first result bit for bit, many times over."""
+    cases = [
+        _pairs_case(1, [9214], seed=101, integer=False),
+        _pairs_case(3, [3999, 100, 2999], seed=102, integer=False),
+        _pairs_case(4, [1022, 5000, 4095, 3], seed=103, integer=False),
+        _pairs_case(8, [9214, 1022, 20479, 4095, 3, 5000, 2999, 100], seed=104, integer=False),
+    ]
+
+    def call(case: testing.SelectCase) -> torch.Tensor:
+        testing.poison_(case.out)
+        return qsa_ops.select_paged_tokens(*case.args())
+
+    firsts = [call(case).clone() for case in cases]
+    for case, first in zip(cases, firsts, strict=True):
+        check_rows(case, first, exact=False)
+    for round_ in range(40):
+        for case, first in zip(cases, firsts, strict=True):
+            assert torch.equal(call(case), first), f"round {round_}, {case!r}"
+
+
 def test_select_path_knob_refuses_unknown_values(cuda_backend, monkeypatch):
     case = testing.make_select_case("full_page", 1, DEVICE)
     monkeypatch.setenv("QSA_SELECT_PATH", "fastest")
