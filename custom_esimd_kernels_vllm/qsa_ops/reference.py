@@ -46,6 +46,20 @@ def _row_chunks(rows: int, elements_per_row: int) -> list[slice]:
     return [slice(start, min(rows, start + step)) for start in range(0, rows, step)]
 
 
+# NOTES: each chunk's large temporaries (the gathered rows, their float copies, the products)
+# go into buffers allocated once per call and sliced per chunk. Allocated afresh per chunk,
+# every one of them was a new mapping from the C allocator, whose page faults cost ~10x the
+# arithmetic: vLLM's CPU prefill spent ~5 s per layer in the attention reference at 1,020
+# rows, 3.5x less with the buffers. Same operations on the same values: the results are
+# unchanged to the bit.
+def _gather_rows(table: torch.Tensor, index: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """``table[index]`` (table [N, D], index [C, K] int64) written into ``buffer``'s leading
+    [C, K, D] (``buffer`` [C_max, K, D] of table's dtype); returns that slice."""
+    rows = buffer[: index.shape[0]]
+    torch.index_select(table, 0, index.reshape(-1), out=rows.view(-1, table.shape[1]))
+    return rows
+
+
 def _request_of_rows(
     token_to_req: torch.Tensor, num_requests: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,20 +75,27 @@ def visible_tokens(query_positions: torch.Tensor, lengths: torch.Tensor) -> torc
     return (torch.minimum(query_positions, lengths.long() - 1) + 1).clamp_min(0)
 
 
-def block_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def block_scores(
+    q: torch.Tensor, keys: torch.Tensor, products: torch.Tensor | None = None
+) -> torch.Tensor:
     """Selection scores of blocks, float32.
 
-    q: [C, 4, 128] float16; keys: [C, J, 128] float16 -> [C, J] float32 with
+    q: [C, 4, 128] float16; keys: [C, J, 128] float16 or float32 -> [C, J] float32 with
     score = (((relu(d0) + relu(d1)) + relu(d2)) + relu(d3)) * float32(1/sqrt(128)) + 0.0,
     d_h = float32 sum over 128 exact float32 products (summation order left to torch: float32
     sums in another order may differ in the last bit; with small-integer inputs every order is
-    exact). ``+ 0.0`` turns -0.0 into +0.0, so that all zero scores tie.
+    exact). ``+ 0.0`` turns -0.0 into +0.0, so that all zero scores tie. ``products``
+    (optional, float32, at least [C, J, 128]) holds the products instead of a new tensor.
     """
     qf = q.float()
     kf = keys.float()
     total = None
     for h in range(INDEX_HEADS):
-        dots = (qf[:, h, None, :] * kf).sum(dim=-1)  # [C, J]
+        if products is None:
+            dots = (qf[:, h, None, :] * kf).sum(dim=-1)  # [C, J]
+        else:
+            prod = products[: kf.shape[0], : kf.shape[1]]
+            dots = torch.mul(qf[:, h, None, :], kf, out=prod).sum(dim=-1)
         term = torch.relu(dots)
         total = term if total is None else total + term
     scale = torch.full(
@@ -115,12 +136,18 @@ def select_paged_tokens_ref(
         j = torch.arange(num_blocks, device=device)
         in_page = torch.arange(CK_PAGE, device=device)
         ninf = torch.full((), float("-inf"), device=device)
-        for s in _row_chunks(rows, INDEX_HEADS * INDEX_DIM * num_blocks):
+        chunks = _row_chunks(rows, INDEX_HEADS * INDEX_DIM * num_blocks)
+        shape = (chunks[0].stop, num_blocks, INDEX_DIM)  # the first chunk is the largest
+        gathered = torch.empty(shape, dtype=keys_flat.dtype, device=device)
+        keys_f32 = torch.empty(shape, dtype=torch.float32, device=device)
+        products = torch.empty(shape, dtype=torch.float32, device=device)
+        for s in chunks:
             phys = page_table[b[s]].long()  # [C, M]
             page_ok = (phys >= 0) & (phys < pages)
             slot = (phys.clamp(0, pages - 1) * CK_PAGE)[:, :, None] + in_page  # [C, M, 128]
-            keys = keys_flat[slot.reshape(-1, num_blocks)]  # [C, J, 128]
-            score = block_scores(q[s], keys)  # [C, J]
+            keys = _gather_rows(keys_flat, slot.reshape(-1, num_blocks), gathered)  # [C, J, 128]
+            keys = keys_f32[: keys.shape[0]].copy_(keys)
+            score = block_scores(q[s], keys, products)  # [C, J]
             usable = page_ok.repeat_interleave(CK_PAGE, dim=1) & (j < nb[s, None])
             # highest score first, equal scores lower j first: stable descending sort;
             # unusable blocks sort last (-inf) and are cut off by kb.
@@ -180,9 +207,17 @@ def sparse_paged_attention_ref(
 
     heads = q.shape[1]
     ninf = torch.full((), float("-inf"), device=q.device)
-    for s in _row_chunks(rows, heads * WIDTH * HEAD_DIM):
-        keys = k_cache[phys[s], slot[s], 0].double()  # [C, W, 256]
-        values = v_cache[phys[s], slot[s], 0].double()  # [C, W, 256]
+    token = phys * KV_PAGE + slot  # [R, W] row of the [P * 512, 256] views below
+    k_rows = k_cache[:, :, 0].reshape(pages * KV_PAGE, HEAD_DIM)  # views for the contract's
+    v_rows = v_cache[:, :, 0].reshape(pages * KV_PAGE, HEAD_DIM)  # strides, copies otherwise
+    chunks = _row_chunks(rows, heads * WIDTH * HEAD_DIM)
+    shape = (chunks[0].stop, idx.shape[1], HEAD_DIM)  # the first chunk is the largest
+    gathered = torch.empty(shape, dtype=k_cache.dtype, device=q.device)
+    keys_f64 = torch.empty(shape, dtype=torch.float64, device=q.device)
+    values_f64 = torch.empty(shape, dtype=torch.float64, device=q.device)
+    for s in chunks:
+        keys = keys_f64[: s.stop - s.start].copy_(_gather_rows(k_rows, token[s], gathered))
+        values = values_f64[: s.stop - s.start].copy_(_gather_rows(v_rows, token[s], gathered))
         # NOTES: batched matmuls (not elementwise products) here: attention is checked to a
         # tolerance, and the [C, 3, W, 256] temporaries of the elementwise form made the CPU
         # reference ~5x slower at R = 2300 (vLLM prefill on CPU). They accumulate in float64

@@ -95,8 +95,22 @@ def test_select_positions_past_the_page_table():
     assert out[0, 512:514].tolist() == [800, 801] and (out[0, 514:] == -1).all()
 
 
-def test_select_rows_are_independent():
+# The reference works through its rows in chunks whose temporaries are allocated once per
+# call: the whole call in one chunk (None), or chunks of 4 rows with a shorter last one.
+ROWS_PER_CHUNK = (None, 4)
+
+
+def _rows_per_chunk(monkeypatch, rows: int | None, elements_per_row: int) -> None:
+    if rows is not None:
+        monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", rows * elements_per_row)
+
+
+@pytest.mark.parametrize("rows_per_chunk", ROWS_PER_CHUNK)
+def test_select_rows_are_independent(rows_per_chunk, monkeypatch):
     case = testing.random_select_case(6, 3, 3, 5, seed=11)
+    blocks = case.page_table.shape[1] * contract.CK_PAGE
+    per_row = contract.INDEX_HEADS * contract.INDEX_DIM * blocks
+    _rows_per_chunk(monkeypatch, rows_per_chunk, per_row)
     batch = _select(case).clone()
     for r in range(6):
         one = testing.random_select_case(6, 3, 3, 5, seed=11)
@@ -185,8 +199,11 @@ def test_attention_hole_positions_do_not_matter():
     torch.testing.assert_close(second, first, atol=2e-3, rtol=2e-3)
 
 
-def test_attention_rows_are_independent():
+@pytest.mark.parametrize("rows_per_chunk", ROWS_PER_CHUNK)
+def test_attention_rows_are_independent(rows_per_chunk, monkeypatch):
     case = testing.random_attention_case(5, 3, 2, 4, seed=9)
+    per_row = contract.ATTN_HEADS * contract.WIDTH * contract.HEAD_DIM
+    _rows_per_chunk(monkeypatch, rows_per_chunk, per_row)
     batch = _attend(case).clone()
     for r in range(5):
         out = torch.empty_like(case.out[r : r + 1])
