@@ -160,17 +160,15 @@ def _has_vllm(python: str) -> bool:
         return False
 
 
-def vllm_python(session: Any) -> tuple[str | None, str]:
-    """An interpreter that can import vLLM and where it came from, or (None, why there is none)."""
+def vllm_python(session: Any, serving_python: str | None = None) -> tuple[str | None, str]:
+    """An interpreter that can import vLLM and where it came from, or (None, why there is none).
+    ``serving_python``: the interpreter of the e2e step of the same pipeline run (its serving
+    recipe installed, the overlay applied and served through), tried after $QSA_VLLM_PYTHON."""
     candidates = []
     if os.environ.get("QSA_VLLM_PYTHON"):
         candidates.append(("$QSA_VLLM_PYTHON", os.environ["QSA_VLLM_PYTHON"]))
-    if (CI / "nox_vllm.py").is_file():
-        helper = getattr(_load("nox_vllm"), "vllm_python", None)
-        found = helper(session) if callable(helper) else None
-        found = found[0] if isinstance(found, tuple) else found
-        if found:
-            candidates.append(("ci/nox_vllm.py", str(found)))
+    if serving_python:
+        candidates.append(("the e2e step of this pipeline run", serving_python))
     candidates.append(("the default vLLM venv", str(ROOT / ".venv-vllm" / "bin" / "python")))
     if session.venv_backend == "none" and shutil.which("python"):
         candidates.append(("this host's python", shutil.which("python")))
@@ -217,8 +215,9 @@ def _record(record: Any, started: float) -> dict[str, Any]:
     return summaries
 
 
-def gsm8k(session: Any, record: Any = None) -> None:
-    """The pipeline step. ``record`` (optional) has ``artifact(path)`` and a ``details`` dict.
+def gsm8k(session: Any, record: Any = None, serving_python: str | None = None) -> None:
+    """The pipeline step. ``record`` (optional) has ``artifact(path)`` and a ``details`` dict;
+    ``serving_python`` (optional) is the e2e step's interpreter when it ran in the same pipeline.
 
     Gate arguments come from the session's posargs, else from ``$GSM8K_GATE_ARGS`` (so that
     ``nox -s pipeline`` on a GPU runner can gate its running server).
@@ -233,7 +232,7 @@ def gsm8k(session: Any, record: Any = None) -> None:
                 args = ["--config", str(RELEASE_CONFIG), *args]
             session.run("python", str(CI / "gsm8k_gate.py"), *args)
             return
-        python, origin = vllm_python(session)
+        python, origin = vllm_python(session, serving_python)
         if python is None:
             session.skip(f"GSM8K mechanics check needs vLLM: {origin}")
         session.log(

@@ -117,6 +117,16 @@ def test_mechanics_check_runs_in_the_vllm_interpreter(nox_gsm8k, monkeypatch) ->
     assert args[2:] == ("mechanics", "--out", str(nox_gsm8k.RESULTS)) and kwargs["external"]
 
 
+def test_the_pipeline_runs_the_gate_in_the_e2e_steps_interpreter(nox_gsm8k, monkeypatch) -> None:
+    monkeypatch.setattr(nox_gsm8k, "_has_vllm", lambda python: python == "e2e/bin/python")
+    monkeypatch.setattr(nox_gsm8k, "_load", lambda name: pytest.fail(f"loaded {name}"))
+    session = FakeSession([])
+    nox_gsm8k.gsm8k(session, serving_python="e2e/bin/python")
+    assert session.installs == []  # nothing installed: the e2e step's recipe serves
+    (args, _), *_ = session.runs
+    assert args[0] == "e2e/bin/python" and args[2] == "mechanics"
+
+
 def test_results_land_in_the_step_record(nox_gsm8k, monkeypatch) -> None:
     def fake_run(*args: str, **kwargs: Any) -> None:  # what the gate CLI would write
         out = nox_gsm8k.RESULTS / "qwen38-qsa-tp8"

@@ -184,6 +184,22 @@ def test_steps_after_a_failure_are_not_run(pipeline, dirs, monkeypatch):
     assert "pipeline stopped: step lint failed" in pipeline.failure_summary(result)
 
 
+def test_gsm8k_serves_from_the_e2e_steps_environment_of_the_same_run(pipeline, dirs, monkeypatch):
+    from ci import nox_gsm8k, nox_vllm
+
+    given = []
+    monkeypatch.setattr(nox_vllm, "e2e", lambda session, record: None)
+    monkeypatch.setattr(
+        nox_gsm8k, "gsm8k", lambda session, record, serving_python: given.append(serving_python)
+    )
+    bin_dir = dirs / "e2e-venv" / "bin"
+    pipeline.run_step("gsm8k", pipeline.gsm8k)  # outside a pipeline run: nothing to reuse
+    pipeline.start_pipeline(["--steps", "e2e,gsm8k"])
+    pipeline.run_step("e2e", pipeline.e2e, bin_dir)
+    pipeline.run_step("gsm8k", pipeline.gsm8k, dirs / "gsm8k-venv" / "bin")
+    assert given == [None, str(bin_dir / "python")]
+
+
 def test_an_unknown_step_fails_at_once(pipeline, dirs):
     with pytest.raises(
         pipeline.Failed, match="unknown step.* nosuchstep; the steps are lint, tests"
