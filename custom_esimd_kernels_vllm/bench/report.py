@@ -109,11 +109,24 @@ def _latency_table(cases: list[dict], mode: str, order: list[str]) -> list[str]:
     return _table(head, rows)
 
 
+def _per_pairing(case: dict, mode: str, candidate: str) -> str:
+    """The candidate's median in each B/C/B pairing, e.g. ``6.3 (upstream) / 6.2 (ref)``: its
+    reading beside each baseline, of which the pooled median is one number."""
+    comparisons = case.get("modes", {}).get(mode, {}).get("comparisons", [])
+    cells = [
+        f"{_us(c['candidate_latency']['median'])} ({c['baseline']})"
+        for c in comparisons
+        if c.get("candidate") == candidate and c.get("candidate_latency")
+    ]
+    return " / ".join(cells) or "–"
+
+
 def _target_table(cases: list[dict]) -> list[str]:
-    """The kernels' performance-table cases: the kernel's median against its target, upstream
-    and the references of the same run (CUDA-graph replay where measured, else eager)."""
-    head = ["op", "case", "mode", "target µs", "kernel µs", "met", "upstream µs",
-            "ref-compiled µs", "ref-vectorised µs", "kernel % of floor"]  # fmt: skip
+    """The kernels' performance-table cases: the kernel's median against its target (pooled,
+    and beside each baseline), upstream and the references of the same run (CUDA-graph replay
+    where measured, else eager)."""
+    head = ["op", "case", "mode", "target µs", "kernel µs", "met", "kernel µs per pairing",
+            "upstream µs", "ref-compiled µs", "ref-vectorised µs", "kernel % of floor"]  # fmt: skip
     rows = []
     for c in cases:
         target, mode = c["spec"].get("target_us"), _best_mode(c)
@@ -121,7 +134,8 @@ def _target_table(cases: list[dict]) -> list[str]:
             continue
         kernel = _median(c, mode, "kernel")
         met = "–" if kernel is None else ("yes" if kernel * 1e6 <= target else "no")
-        cells = [c["spec"]["op"], c["spec"]["name"], mode, f"{target:g}", _us(kernel), met]
+        cells = [c["spec"]["op"], c["spec"]["name"], mode, f"{target:g}", _us(kernel), met,
+                 _per_pairing(c, mode, "kernel")]  # fmt: skip
         for n in ("upstream", "ref-compiled", "ref-vectorised"):
             cells.append(_us(_median(c, mode, n)) + _ratio(_median(c, mode, n), kernel))
         cells.append(_pct(c["modes"][mode]["pct_of_floor"].get("kernel")))

@@ -6,6 +6,7 @@ plot) without a GPU; the GPU run checks the real thing."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -78,6 +79,10 @@ def test_graph_mode_and_kernel_wiring(fake_gpu, op, tmp_path):
     paths = report.write_all(data, tmp_path, "bench-test")
     md = paths["md"].read_text()
     assert "## Performance-table cases" in md and "| yes |" in md
+    # the kernel's reading beside each baseline of its pairings, next to the pooled median
+    row = next(line for line in md.splitlines() if "R=2 ctx=4K" in line and "| yes |" in line)
+    per_pairing = row.split("| yes |")[1].split("|")[0].strip()
+    assert re.fullmatch(r"[0-9.,]+ \(ref-vectorised\)", per_pairing), row
     assert "## Latency — CUDA-graph replay" in md and "kernel vs ref-vectorised" in md
     assert paths["png"].stat().st_size > 10_000
     assert json.loads(paths["json"].read_text())["cases"][0]["modes"]["graph"]["samples_s"]
