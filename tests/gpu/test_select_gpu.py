@@ -260,13 +260,19 @@ def test_fast_path_equals_generic_on_random_data(cuda_backend, monkeypatch, R, B
     case = testing.random_select_case(
         R, B, M, P, device=DEVICE, seed=seed, integer=False, bad_values=False
     )
-    monkeypatch.setenv("QSA_SELECT_PATH", "auto")
-    fast = run_cuda(case).clone()
-    case.out.fill_(testing.POISON_INT32)
-    monkeypatch.setenv("QSA_SELECT_PATH", "generic")
-    generic = run_cuda(case)
+    fast, generic = _auto_then_generic(case, monkeypatch)
     assert torch.equal(fast, generic), (fast != generic).nonzero()[:4].tolist()
     check_rows(case, fast, exact=False, limit=4)
+
+
+def _auto_then_generic(case, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selection of ``case`` on the path the library picks, then (out poisoned again) on
+    the generic path forced by QSA_SELECT_PATH."""
+    monkeypatch.setenv("QSA_SELECT_PATH", "auto")
+    auto = run_cuda(case).clone()
+    case.out.fill_(testing.POISON_INT32)
+    monkeypatch.setenv("QSA_SELECT_PATH", "generic")
+    return auto, run_cuda(case)
 
 
 def _pairs_case(R: int, positions: list[int], seed: int, integer: bool) -> testing.SelectCase:
@@ -308,11 +314,7 @@ def test_pairs_select_equals_generic_on_random_data(cuda_backend, monkeypatch, R
     select and the generic path rank the same stored keys, so they agree bit for bit."""
     for k, positions in enumerate(_PAIRS_POSITIONS[R]):
         case = _pairs_case(R, positions, seed=95 + k, integer=False)
-        monkeypatch.setenv("QSA_SELECT_PATH", "auto")
-        auto = run_cuda(case).clone()
-        case.out.fill_(testing.POISON_INT32)
-        monkeypatch.setenv("QSA_SELECT_PATH", "generic")
-        generic = run_cuda(case)
+        auto, generic = _auto_then_generic(case, monkeypatch)
         assert torch.equal(auto, generic), (positions, (auto != generic).nonzero()[:4].tolist())
         check_rows(case, auto, exact=False, limit=4)
 
