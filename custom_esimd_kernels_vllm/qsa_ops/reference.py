@@ -90,12 +90,9 @@ def block_scores(
     qf = q.float()
     kf = keys.float()
     total = None
+    prod = None if products is None else products[: kf.shape[0], : kf.shape[1]]
     for h in range(INDEX_HEADS):
-        if products is None:
-            dots = (qf[:, h, None, :] * kf).sum(dim=-1)  # [C, J]
-        else:
-            prod = products[: kf.shape[0], : kf.shape[1]]
-            dots = torch.mul(qf[:, h, None, :], kf, out=prod).sum(dim=-1)
+        dots = torch.mul(qf[:, h, None, :], kf, out=prod).sum(dim=-1)  # [C, J]
         term = torch.relu(dots)
         total = term if total is None else total + term
     scale = torch.full(

@@ -100,17 +100,19 @@ def test_select_positions_past_the_page_table():
 ROWS_PER_CHUNK = (None, 4)
 
 
-def _rows_per_chunk(monkeypatch, rows: int | None, elements_per_row: int) -> None:
-    if rows is not None:
-        monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", rows * elements_per_row)
+def _rows_per_chunk(monkeypatch, step: int | None) -> None:
+    if step is not None:
+        monkeypatch.setattr(
+            reference,
+            "_row_chunks",
+            lambda rows, _: [slice(s, min(rows, s + step)) for s in range(0, rows, step)],
+        )
 
 
 @pytest.mark.parametrize("rows_per_chunk", ROWS_PER_CHUNK)
 def test_select_rows_are_independent(rows_per_chunk, monkeypatch):
     case = testing.random_select_case(6, 3, 3, 5, seed=11)
-    blocks = case.page_table.shape[1] * contract.CK_PAGE
-    per_row = contract.INDEX_HEADS * contract.INDEX_DIM * blocks
-    _rows_per_chunk(monkeypatch, rows_per_chunk, per_row)
+    _rows_per_chunk(monkeypatch, rows_per_chunk)
     batch = _select(case).clone()
     for r in range(6):
         one = testing.random_select_case(6, 3, 3, 5, seed=11)
@@ -202,8 +204,7 @@ def test_attention_hole_positions_do_not_matter():
 @pytest.mark.parametrize("rows_per_chunk", ROWS_PER_CHUNK)
 def test_attention_rows_are_independent(rows_per_chunk, monkeypatch):
     case = testing.random_attention_case(5, 3, 2, 4, seed=9)
-    per_row = contract.ATTN_HEADS * contract.WIDTH * contract.HEAD_DIM
-    _rows_per_chunk(monkeypatch, rows_per_chunk, per_row)
+    _rows_per_chunk(monkeypatch, rows_per_chunk)
     batch = _attend(case).clone()
     for r in range(5):
         out = torch.empty_like(case.out[r : r + 1])
