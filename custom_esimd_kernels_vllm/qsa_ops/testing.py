@@ -274,9 +274,10 @@ def make_select_case(
 
     def one_request(n_per_row: Sequence[int], num_pages: int, pages: Sequence[int]):
         ns = [n_per_row[r % len(n_per_row)] for r in range(R)]
+        length = [max(n_per_row)]  # the request's length, also with R = 0 rows
         ck = _values((num_pages, CK_PAGE, 1, INDEX_DIM), gen, integer)
         return _select_case(
-            name, q, ck, [list(pages)], [0] * R, [n - 1 for n in ns], [max(ns)], device, integer
+            name, q, ck, [list(pages)], [0] * R, [n - 1 for n in ns], length, device, integer
         )
 
     if name == "empty":
@@ -299,9 +300,10 @@ def make_select_case(
             torch.rand(6, CK_PAGE, 1, INDEX_DIM, generator=gen) < 0.05
         )
         ns = [4 * 600 + 1, 4 * 513]
+        length = max(ns)  # the request's length, also with R = 0 rows
         ns = [ns[r % 2] for r in range(R)]
         return _select_case(
-            name, q, ck, [[5, 0, 3, 4, 1]], [0] * R, [n - 1 for n in ns], [max(ns)], device, True
+            name, q, ck, [[5, 0, 3, 4, 1]], [0] * R, [n - 1 for n in ns], [length], device, True
         )
     if name == "all_zero_scores":
         q = -_values((R, INDEX_HEADS, INDEX_DIM), gen, True, 1, 2)
