@@ -325,7 +325,10 @@ SPLITS_ENV = "QSA_ATTN_SPLITS"  # read by the library at each call (tuning and t
 
 def attention_splits(rows: int, device: int | None = None) -> int:
     """CTAs that share one attention row for ``rows`` rows, as a call would take them now
-    (the library reads QSA_ATTN_SPLITS, which overrides; ValueError when it is malformed)."""
+    (the library reads QSA_ATTN_SPLITS, which overrides; ValueError when it is malformed).
+    RuntimeError without a CUDA device or without the compiled library."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("attention_splits needs a CUDA device; torch sees none")
     index = torch.cuda.current_device() if device is None else device
     lib = _clib()
     n = int(lib.qsa_attention_splits(rows, index))
