@@ -32,7 +32,7 @@ VALIDATION_TIME_BUDGET_S = 120.0
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m custom_esimd_kernels_vllm.bench",
-        description="B/C/B latency, %% of the memory floor, upstream baselines, host overhead, "
+        description="B/C/B latency, % of the memory floor, upstream baselines, host overhead, "
         "the decode step and profiler counts of the QSA operators.",
     )
     add = p.add_argument
