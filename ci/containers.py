@@ -1,5 +1,6 @@
-"""Pipeline steps with container images (docker/images.py): the CPU test image and the build
-inside a target's image. Called by ci/pipeline.py (``image``, ``build -- --container``)."""
+"""Pipeline steps with container images (docker/images.py): the CPU test image (step
+``image``) and the build inside a target's image (``build -- --container``, called by
+ci/build_steps.py), compared with the native build (ci/native_build.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import build_targets
-from ci.pipeline import (
+from ci.layout import (
     BUILD_REQUIREMENTS,
     CUDA_TOOLKIT,
     DIST,
@@ -21,18 +22,14 @@ from ci.pipeline import (
     TEST_EXTRAS,
     TORCH_PIN,
     WORK,
-    Env,
-    Failed,
-    build_native,
-    diff_keys,
-    error_line,
     extras,
     provenance,
     rel,
     requirements_file,
     sha256_file,
-    source_date_epoch,
 )
+from ci.native_build import build_native, diff_keys, source_date_epoch
+from ci.step_env import Env, Failed, error_line
 
 
 def images():

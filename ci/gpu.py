@@ -1,5 +1,5 @@
 """The GPU host's pipeline steps: ``kernels`` (the validation of the CPU machine's wheel,
-installed unrebuilt) and ``bench``. Called by ci/pipeline.py; without a CUDA device both are
+installed unrebuilt) and ``bench``. Run by ci/pipeline.py; without a CUDA device both are
 recorded as skipped with the reason.
 
     python3 -m ci.pipeline kernels --wheel dist/X.whl [--record PATH] [PYTEST ARGS]
@@ -16,22 +16,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-from ci.pipeline import (
-    DIST,
-    GPU_RECORD,
-    PACKAGE,
-    ROOT,
-    WORK,
-    Env,
-    Failed,
-    Skipped,
-    install_wheel,
-    now_utc,
-    provenance,
-    provenance_check,
-    sha256_file,
-    the_wheel,
-)
+from ci.layout import DIST, GPU_RECORD, PACKAGE, ROOT, WORK, provenance, sha256_file
+from ci.step_env import Env, Failed, Skipped, now_utc
+from ci.wheels import install_wheel, provenance_check, the_wheel
 
 
 def cuda_device() -> tuple[bool, str]:
@@ -117,14 +104,30 @@ print(json.dumps({"gpu": torch.cuda.get_device_name(),
     "python": platform.python_version(), "build_info": qsa_ops.build_info()}, default=str))"""
 
 
+def kernels_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kernels", epilog="Other arguments go to pytest (tests/gpu)."
+    )
+    parser.add_argument("--wheel", type=Path, help="the wheel to validate (default: dist/*.whl)")
+    parser.add_argument("--record", type=Path, default=GPU_RECORD, help="validation record")
+    return parser
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bench",
+        epilog="Other arguments go to python -m custom_esimd_kernels_vllm.bench (its --help "
+        "lists them).",
+    )
+    parser.add_argument("--wheel", type=Path, help="run the benchmark on this wheel")
+    return parser
+
+
 def kernels(env: Env) -> None:
     """GPU host: the CPU machine's wheel, installed unrebuilt, through the provenance check,
     tests/gpu, compute-sanitizer (memcheck, racecheck) and the benchmark's timing; writes the
     GPU validation record (results/gpu-validation.json)."""
-    parser = argparse.ArgumentParser(prog="kernels")
-    parser.add_argument("--wheel", type=Path, help="the wheel to validate (default: dist/*.whl)")
-    parser.add_argument("--record", type=Path, default=GPU_RECORD, help="validation record")
-    args, pytest_args = parser.parse_known_args(env.posargs)  # the rest goes to pytest
+    args, pytest_args = kernels_parser().parse_known_args(env.posargs)  # the rest: pytest's
     ok, why = cuda_device()
     if not ok:
         env.details["checks"] = {name: f"skipped: {why}" for name in GPU_CHECKS}
@@ -218,9 +221,7 @@ def kernels(env: Env) -> None:
 def bench(env: Env) -> None:
     """GPU host: the benchmark (python -m custom_esimd_kernels_vllm.bench ARGS), on the wheel
     when one is given with --wheel or lies in dist/, else on the checkout's build."""
-    parser = argparse.ArgumentParser(prog="bench")
-    parser.add_argument("--wheel", type=Path, help="run the benchmark on this wheel")
-    args, rest = parser.parse_known_args(env.posargs)
+    args, rest = bench_parser().parse_known_args(env.posargs)  # the rest: the benchmark's
     ok, why = cuda_device()
     if not ok:
         raise Skipped(why)

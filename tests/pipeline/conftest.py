@@ -1,4 +1,5 @@
-"""Fixtures of the pipeline tests: the repository root, ci/pipeline.py, docker/images.py."""
+"""Fixtures of the pipeline tests: the repository root on the import path (the ci package),
+ci/pipeline.py, docker/images.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # the ci package, as `python3 -m ci.pipeline` sees it
+    sys.path.insert(0, str(ROOT))
 
 
 def load(relpath: str, name: str):
@@ -20,8 +23,6 @@ def load(relpath: str, name: str):
 
 @pytest.fixture(scope="session")
 def pipeline():
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     from ci import pipeline
 
     return pipeline
@@ -30,3 +31,13 @@ def pipeline():
 @pytest.fixture(scope="session")
 def images():
     return load("docker/images.py", "qsa_images")
+
+
+@pytest.fixture(scope="session")
+def nox_sessions():
+    """noxfile.py's sessions, name -> function (the noxfile loaded once)."""
+    pytest.importorskip("nox", reason="the noxfile needs nox (the tests session installs it)")
+    import nox.registry
+
+    load("noxfile.py", "qsa_noxfile")
+    return dict(nox.registry.get())

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from ci import layout, native_build, records, step_env
+
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 # The order the README promises ("Order of `nox -s pipeline`: lint, tests, ...; ...").
@@ -29,17 +31,8 @@ def test_pipeline_order_is_the_design_order(pipeline):
     assert set(DESIGN_ORDER) | {"image"} == set(pipeline.STEPS)
 
 
-def test_every_step_is_a_session_of_a_few_lines():
-    pytest.importorskip("nox", reason="the noxfile needs nox (the tests session installs it)")
-    import nox.registry
-
-    sys.path.insert(0, str(ROOT))
-    spec = __import__("importlib.util").util.spec_from_file_location(
-        "qsa_noxfile", ROOT / "noxfile.py"
-    )
-    module = __import__("importlib.util").util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert set(DESIGN_ORDER) | {"image", "pipeline", "record"} <= set(nox.registry.get())
+def test_every_step_is_a_session_of_a_few_lines(nox_sessions):
+    assert set(DESIGN_ORDER) | {"image", "pipeline", "record"} <= set(nox_sessions)
     text = (ROOT / "noxfile.py").read_text()
     # No private nox internals, no nox started from inside nox, no modules loaded by path.
     assert not re.search(r"nox\.\w*\._|_Session|spec_from_file_location", text)
@@ -48,9 +41,9 @@ def test_every_step_is_a_session_of_a_few_lines():
 
 @pytest.fixture
 def dirs(pipeline, tmp_path, monkeypatch):
-    monkeypatch.setattr(pipeline, "STEPS_DIR", tmp_path / "steps")
-    monkeypatch.setattr(pipeline, "LOGS_DIR", tmp_path / "logs")
-    monkeypatch.setattr(pipeline, "_run", None)
+    monkeypatch.setattr(layout, "STEPS_DIR", tmp_path / "steps")
+    monkeypatch.setattr(layout, "LOGS_DIR", tmp_path / "logs")
+    monkeypatch.setattr(records, "_run", None)
     return tmp_path
 
 
@@ -66,7 +59,7 @@ def test_a_passing_step_records_its_artifacts_and_log(pipeline, dirs):
         env.run(sys.executable, "-c", "print('hello')")
         env.artifact(artifact)
 
-    pipeline.run_step("demo", body)
+    records.run_step("demo", body)
     rec = record(dirs, "demo")
     assert rec["status"] == "passed" and rec["reason"] == ""
     abc = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
@@ -80,7 +73,7 @@ def test_a_skipped_step_records_the_reason(pipeline, dirs):
         env.skip("no CUDA device on this host (nvidia-smi not found)")
 
     with pytest.raises(pipeline.Skipped):
-        pipeline.run_step("kernels", body)
+        records.run_step("kernels", body)
     rec = record(dirs, "kernels")
     assert (rec["status"], rec["reason"]) == (
         "skipped",
@@ -102,7 +95,7 @@ def test_a_failed_command_records_its_last_meaningful_error_line(pipeline, dirs)
         env.run(sys.executable, "-c", script)
 
     with pytest.raises(pipeline.Failed, match="exited 1"):
-        pipeline.run_step("e2e", body)
+        records.run_step("e2e", body)
     rec = record(dirs, "e2e")
     assert rec["status"] == "failed"
     assert rec["reason"].endswith(
@@ -115,7 +108,7 @@ def test_a_crash_is_recorded_with_its_type(pipeline, dirs):
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError):
-        pipeline.run_step("build", crash)
+        records.run_step("build", crash)
     assert (record(dirs, "build")["status"], record(dirs, "build")["reason"]) == (
         "failed",
         "RuntimeError: boom",
@@ -146,31 +139,31 @@ def test_a_crash_is_recorded_with_its_type(pipeline, dirs):
     ],
 )
 def test_error_line(pipeline, lines, cause):
-    assert pipeline.error_line(lines) == cause
+    assert step_env.error_line(lines) == cause
 
 
 def test_a_silent_command_gets_a_heartbeat_with_the_elapsed_time(
     pipeline, dirs, monkeypatch, capsys
 ):
-    monkeypatch.setattr(pipeline, "HEARTBEAT_S", 1.0)
-    pipeline.Env("slow").run(sys.executable, "-c", "import time; time.sleep(2.5)")
+    monkeypatch.setattr(step_env, "HEARTBEAT_S", 1.0)
+    step_env.Env("slow").run(sys.executable, "-c", "import time; time.sleep(2.5)")
     beats = [ln for ln in capsys.readouterr().out.splitlines() if "still running" in ln]
     assert beats and re.match(r"\[slow\] \.\.\. \d+ s, still running", beats[0])
 
 
 def test_a_command_past_its_timeout_fails_and_leaves_nothing_running(pipeline, dirs):
     with pytest.raises(pipeline.Failed, match="timed out after 1 s"):
-        pipeline.Env("t").run(sys.executable, "-c", "import time; time.sleep(60)", timeout=1)
+        step_env.Env("t").run(sys.executable, "-c", "import time; time.sleep(60)", timeout=1)
 
 
 def test_steps_after_a_failure_are_not_run(pipeline, dirs, monkeypatch):
     queue = pipeline.start_pipeline(["--steps", "lint,build,bench"])
     assert queue == [("lint", []), ("build", ["--target", "cuda-sm90"]), ("bench", [])]
     with pytest.raises(pipeline.Failed):
-        pipeline.run_step("lint", lambda env: env.error("ruff found 2 errors"))
+        records.run_step("lint", lambda env: env.error("ruff found 2 errors"))
     with pytest.raises(pipeline.Skipped):
-        pipeline.run_step("build", lambda env: None)
-    monkeypatch.setattr(pipeline, "DIST", dirs)
+        records.run_step("build", lambda env: None)
+    monkeypatch.setattr(layout, "DIST", dirs)
     result = pipeline.write_run_record()
     steps = {s["step"]: s for s in result["steps"]}
     assert result["result"] == "failed"
@@ -181,7 +174,7 @@ def test_steps_after_a_failure_are_not_run(pipeline, dirs, monkeypatch):
         "reason": "stopped after lint failed",
     }
     assert steps["bench"]["status"] == "failed"  # never started: no record
-    assert "pipeline stopped: step lint failed" in pipeline.failure_summary(result)
+    assert "pipeline stopped: step lint failed" in records.failure_summary(result)
 
 
 def test_gsm8k_serves_from_the_e2e_steps_environment_of_the_same_run(pipeline, dirs, monkeypatch):
@@ -193,10 +186,10 @@ def test_gsm8k_serves_from_the_e2e_steps_environment_of_the_same_run(pipeline, d
         nox_gsm8k, "gsm8k", lambda session, record, serving_python: given.append(serving_python)
     )
     bin_dir = dirs / "e2e-venv" / "bin"
-    pipeline.run_step("gsm8k", pipeline.gsm8k)  # outside a pipeline run: nothing to reuse
+    pipeline.run("gsm8k")  # outside a pipeline run: nothing to reuse
     pipeline.start_pipeline(["--steps", "e2e,gsm8k"])
-    pipeline.run_step("e2e", pipeline.e2e, bin_dir)
-    pipeline.run_step("gsm8k", pipeline.gsm8k, dirs / "gsm8k-venv" / "bin")
+    pipeline.run("e2e", bin_dir)
+    pipeline.run("gsm8k", dirs / "gsm8k-venv" / "bin")
     assert given == [None, str(bin_dir / "python")]
 
 
@@ -234,7 +227,7 @@ def test_markdown_lists_every_step_the_wheel_and_artifacts(pipeline):
             {"step": "bench", "status": "not run", "reason": "stopped after wheel failed"},
         ],
     }
-    text = pipeline.markdown(record)
+    text = records.markdown(record)
     assert "# Pipeline run record: failed" in text
     assert f"Wheel `x.whl` SHA256 `{'a' * 64}`; DSO SHA256 `{'b' * 64}`." in text
     assert "| build | passed | 61 s |  | dist/logs/build.log |" in text
@@ -244,11 +237,11 @@ def test_markdown_lists_every_step_the_wheel_and_artifacts(pipeline):
 
 
 def test_the_pip_source_setting(pipeline, tmp_path):
-    assert pipeline.pip_source_env({}) == {}
+    assert step_env.pip_source_env({}) == {}
     url = "https://download.pytorch.org/whl/cpu"
-    assert pipeline.pip_source_env({"QSA_PIP_EXTRA_INDEX": url}) == {"PIP_EXTRA_INDEX_URL": url}
+    assert step_env.pip_source_env({"QSA_PIP_EXTRA_INDEX": url}) == {"PIP_EXTRA_INDEX_URL": url}
     both = {"QSA_PIP_EXTRA_INDEX": str(tmp_path), "PIP_FIND_LINKS": "/opt/w"}
-    assert pipeline.pip_source_env(both) == {"PIP_FIND_LINKS": f"/opt/w {tmp_path}"}
+    assert step_env.pip_source_env(both) == {"PIP_FIND_LINKS": f"/opt/w {tmp_path}"}
 
 
 def test_a_missing_torch_source_fails_at_once_naming_the_setting(
@@ -256,14 +249,14 @@ def test_a_missing_torch_source_fails_at_once_naming_the_setting(
 ):
     empty = tmp_path / "wheels"
     empty.mkdir()
-    monkeypatch.setattr(pipeline, "_pip_source_ok", False)
+    monkeypatch.setattr(step_env, "_pip_source_ok", False)
     for key in [k for k in os.environ if k.startswith("PIP_")]:
         monkeypatch.delenv(key)
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("QSA_PIP_EXTRA_INDEX", str(empty))
     with pytest.raises(pipeline.Failed) as info:
-        pipeline.require_pip_source(pipeline.Env("tests"))
+        step_env.require_pip_source(step_env.Env("tests"))
     message = str(info.value)
     assert message.startswith(
         "torch==2.13.0+cpu (the CPU build of torch, which PyPI does not carry)"
@@ -275,7 +268,7 @@ def test_a_missing_torch_source_fails_at_once_naming_the_setting(
 
 def test_a_planned_target_refuses_first_with_that_reason(pipeline, dirs):
     with pytest.raises(pipeline.Failed) as info:
-        pipeline.run_step("build", pipeline.build, None, ["--target", "bmg-g21"])
+        pipeline.run("build", None, ["--target", "bmg-g21"])
     assert "bmg-g21" in str(info.value)
     assert "is a planned target without kernel sources yet" in str(info.value)
     assert "icpx" not in str(info.value)  # the reason comes before the compiler check
@@ -287,7 +280,7 @@ def test_kernels_without_a_gpu_records_every_check_as_skipped(pipeline, dirs, mo
 
     monkeypatch.setattr(gpu, "cuda_device", lambda: (False, "no CUDA device on this host (x)"))
     with pytest.raises(pipeline.Skipped):
-        pipeline.run_step("kernels", pipeline.kernels, None, ["--wheel", "dist/x.whl"])
+        pipeline.run("kernels", None, ["--wheel", "dist/x.whl"])
     rec = record(dirs, "kernels")
     assert rec["reason"] == "no CUDA device on this host (x)"
     assert rec["details"]["checks"] == {
@@ -391,14 +384,14 @@ def test_the_oneapi_image_fails_fast_when_intel_repo_is_unreachable(images, monk
 def test_an_exported_tree_takes_the_exporters_source_date_epoch(pipeline, tmp_path, monkeypatch):
     """Outside git the wheel's zip times come from SOURCE_DATE_EPOCH (the container build
     passes the commit's time), else 1980; a value that is not a number refuses."""
-    monkeypatch.setattr(pipeline, "ROOT", tmp_path)
+    monkeypatch.setattr(native_build, "ROOT", tmp_path)
     monkeypatch.delenv("SOURCE_DATE_EPOCH", raising=False)
-    assert pipeline.source_date_epoch() == "315532800"
+    assert native_build.source_date_epoch() == "315532800"
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1764547200")
-    assert pipeline.source_date_epoch() == "1764547200"
+    assert native_build.source_date_epoch() == "1764547200"
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "yesterday")
     with pytest.raises(pipeline.Failed, match="SOURCE_DATE_EPOCH must be a number.*'yesterday'"):
-        pipeline.source_date_epoch()
+        native_build.source_date_epoch()
 
 
 def test_compare_builds_names_every_differing_input(pipeline, tmp_path):
@@ -419,7 +412,7 @@ def test_compare_builds_names_every_differing_input(pipeline, tmp_path):
     inside["git"] = {"commit": "abc", "dirty": True}
     result = containers.compare_builds(native, inside, dso, whl)
     assert result["identical"] and result["sources_sha256"] == "s"
-    assert result["wheel"]["sha256"] == pipeline.sha256_file(whl)
+    assert result["wheel"]["sha256"] == layout.sha256_file(whl)
     assert result["input_differences"] == [
         "toolchain.python: native '3.11.7' vs container '3.11.2'",
         "git.dirty: native False vs container True",
