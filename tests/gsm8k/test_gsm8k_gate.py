@@ -9,6 +9,7 @@ from typing import Any
 
 import gsm8k_gate
 import pytest
+from gsm8k import answers
 from gsm8k_fakes import FAKE_MODEL, HANG, completion_body, last_question
 
 N = 12  # questions per run: enough for fractions, fast enough for CI
@@ -324,7 +325,7 @@ def test_internal_errors_leave_an_error_record(fake_server, tmp_path: Path, monk
     def broken(completion: str) -> str:
         raise ZeroDivisionError("bug")
 
-    monkeypatch.setattr(gsm8k_gate, "extract_answer", broken)
+    monkeypatch.setattr(answers, "extract_answer", broken)  # where the gate's evaluation reads it
     with pytest.raises(ZeroDivisionError):
         gsm8k_gate.run_gate(config(server.url), tmp_path)
     result = json.loads((tmp_path / "result.json").read_text())
