@@ -110,6 +110,7 @@ SCRIPTS = [
     ["ci/nox_vllm.py"],
     ["ci/vllm_server.py"],
     ["ci/make_tiny_model.py"],
+    ["ci/readme_figures.py"],
     ["docker/images.py"],
     ["-m", "ci.pipeline"],
     ["-m", "ci.pipeline", "build"],
