@@ -1,1 +1,2 @@
-"""The pipeline's modules (``ci.pipeline`` holds the steps; noxfile.py calls them)."""
+"""The pipeline's modules (``ci.pipeline`` is the driver and maps the others; noxfile.py calls
+it)."""

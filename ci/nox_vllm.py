@@ -14,7 +14,7 @@ has the overlay is left as it is.
 overlay in place to that environment's vLLM, and runs tests/e2e with HOME, the caches and
 TMPDIR pointed into a scratch directory that is removed afterwards.
 
-``session`` is the pipeline's step environment (``ci.pipeline.Env``: run, install, log, error,
+``session`` is the pipeline's step environment (``ci.step_env.Env``: run, install, log, error,
 posargs, venv_backend); every install there pins torch to its CPU build.
 """
 
