@@ -3,7 +3,10 @@
 vLLM calls ``register()`` in every process it starts (API server, engine core, workers):
 it registers the ``Qwen38QSAForCausalLM`` architecture (imported lazily, when a checkpoint
 asks for it), its config hook, and the ``torch.ops.qsa`` custom ops with their fake
-kernels. It is idempotent and a no-op for what the source overlay already provides.
+kernels. It also routes vLLM's own ``Qwen4ExpForCausalLM`` and ``Qwen4ExpMTP`` to
+``qwen4exp`` (upstream's model with QSA on our operators; lazily imported too) unless
+``QSA_QWEN4EXP_ROUTING=0``. It is idempotent and a no-op for what the source overlay
+already provides.
 """
 
 from __future__ import annotations
@@ -16,8 +19,21 @@ def register() -> None:
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     from .. import qsa_ops  # noqa: F401  registers torch.ops.qsa.* and their fake kernels
+    from . import qwen4exp
     from .config_hook import Qwen38QSAConfig
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, f"{MODEL_MODULE}:{ARCHITECTURE}")
     MODELS_CONFIG_MAP.setdefault(ARCHITECTURE, Qwen38QSAConfig)
+    if qwen4exp.routing_enabled():
+        _route_qwen4exp(ModelRegistry, qwen4exp)
+
+
+def _route_qwen4exp(registry, qwen4exp) -> None:
+    """Point vLLM's Qwen4Exp architectures at ``qwen4exp`` (the overlay already does)."""
+    models = getattr(registry, "models", {})
+    for arch in qwen4exp.ARCHITECTURES:
+        current = models.get(arch)
+        if getattr(current, "module_name", None) == qwen4exp.MODULE:
+            continue
+        registry.register_model(arch, f"{qwen4exp.MODULE}:{arch}")

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# Appended, not prepended: a module of ci/ must never shadow an installed distribution
+# (ci/packaging.py would shadow `packaging`, which transformers and vLLM import).
 for path in (ROOT / "ci", Path(__file__).resolve().parent):
     if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+        sys.path.append(str(path))
 
 
 @pytest.fixture(scope="session")
