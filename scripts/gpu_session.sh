@@ -25,6 +25,9 @@ case "$MODE" in
     exec "$PY" -m ci.pipeline kernels "$@" ;;
   bench)
     exec "$PY" -m ci.pipeline bench "$@" ;;
+  -h|--help)
+    echo "usage: $0 validate [WHEEL] [PYTEST ARGS] | bench [BENCH ARGS]"
+    echo "(validate --help, bench --help: the step's own arguments)" ;;
   *)
     echo "usage: $0 validate [WHEEL] [PYTEST ARGS] | bench [BENCH ARGS]" >&2
     exit 2 ;;

@@ -1,7 +1,7 @@
 """--help only prints, at every entry point: a step's help neither runs the step nor touches its
 record or log, through ``python3 -m ci.pipeline STEP --help``, ``nox -s STEP -- --help`` and
-``nox -s pipeline -- --help``; the repository's scripts print their usage and leave the tree as
-it was."""
+``nox -s pipeline -- --help``; the repository's scripts (scripts/gpu_session.sh included)
+print their usage and leave the tree as it was."""
 
 from __future__ import annotations
 
@@ -145,4 +145,14 @@ def test_scripts_help_prints_and_leaves_the_tree_as_it_was(images, tmp_path):
         )
         assert res.returncode == 0, (argv, res.stdout + res.stderr)
         assert "usage:" in res.stdout, (argv, res.stdout)
+    for args in (["--help"], ["validate", "--help"], ["bench", "-h"]):
+        res = subprocess.run(
+            ["bash", "scripts/gpu_session.sh", *args],
+            cwd=src,
+            capture_output=True,
+            text=True,
+            env={**environ, "PYTHON": sys.executable},
+            timeout=60,
+        )
+        assert res.returncode == 0 and "usage:" in res.stdout, (args, res.stdout + res.stderr)
     assert snapshot(src) == before
