@@ -124,8 +124,10 @@ def compare_container_wheel(env: Env, manifest: dict[str, Any], whl_sha: str) ->
 
 
 def verify(env: Env) -> None:
-    """Install the wheel into a clean venv, import it, and check that the SHA256 of the DSO it
-    loads equals the manifest, the wheel's member, SHA256SUMS and the installed file."""
+    """The wheel in a clean venv: every SHA256 of its DSO agrees; tests/cpu against it.
+
+    The SHA256 of the DSO the installed package loads must equal the manifest's, the wheel
+    member's, SHA256SUMS' and the installed file's."""
     if env.bin_dir is None:
         raise Skipped("verify installs the wheel into a fresh virtualenv; run it with one")
     whl = the_wheel(None)

@@ -124,9 +124,10 @@ def bench_parser() -> argparse.ArgumentParser:
 
 
 def kernels(env: Env) -> None:
-    """GPU host: the CPU machine's wheel, installed unrebuilt, through the provenance check,
-    tests/gpu, compute-sanitizer (memcheck, racecheck) and the benchmark's timing; writes the
-    GPU validation record (results/gpu-validation.json)."""
+    """GPU host: the CPU machine's wheel, unrebuilt, validated; results/gpu-validation.json.
+
+    The wheel is installed as it is and goes through the provenance check, tests/gpu,
+    compute-sanitizer (memcheck, racecheck) and the benchmark's timing."""
     args, pytest_args = kernels_parser().parse_known_args(env.posargs)  # the rest: pytest's
     ok, why = cuda_device()
     if not ok:
@@ -219,8 +220,10 @@ def kernels(env: Env) -> None:
 
 
 def bench(env: Env) -> None:
-    """GPU host: the benchmark (python -m custom_esimd_kernels_vllm.bench ARGS), on the wheel
-    when one is given with --wheel or lies in dist/, else on the checkout's build."""
+    """GPU host: the benchmark, python -m custom_esimd_kernels_vllm.bench ARGS.
+
+    It runs on the wheel when one is given with --wheel or lies in dist/, else on the
+    checkout's build."""
     args, rest = bench_parser().parse_known_args(env.posargs)  # the rest: the benchmark's
     ok, why = cuda_device()
     if not ok:

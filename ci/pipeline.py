@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import sys
 from collections.abc import Callable, Sequence
 
@@ -78,14 +79,17 @@ class Step:
         return " ".join((self.func.__doc__ or "").split("\n\n")[0].split())
 
     def help(self, name: str) -> str:
+        """The step's usage and its function's docstring."""
         prog = f"python3 -m ci.pipeline {name}"
+        doc = inspect.getdoc(self.func) or ""
         if self.parser is not None:
             parser = self.parser()
             parser.prog = prog
-            parser.description = self.summary
+            parser.description = doc
+            parser.formatter_class = argparse.RawDescriptionHelpFormatter
             text = parser.format_help()
         else:
-            text = f"usage: {prog} {self.usage}".rstrip() + f"\n\n{self.summary}\n"
+            text = f"usage: {prog} {self.usage}".rstrip() + f"\n\n{doc}\n"
         return text + f"\nThe same arguments follow `--` in `nox -s {name} -- ARGS`.\n"
 
 
