@@ -166,12 +166,10 @@ std::string device_name(DeviceId d) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The ordered checks of contract.py (_OpSpec / _full_check / _validate)
+// The ordered checks of contract.py (_Arg / _OpSpec / _full_check / _check_storage)
 // ---------------------------------------------------------------------------------------------
 
-// What the checks read of a tensor. The exact-packed k_cache/v_cache views are not operator
-// arguments (the schema takes their [P, 512, 512] buffer: see contract.packed_kv_buffer) but the
-// contract words its checks on them, so their metadata is derived from the buffer.
+// What the checks read of a tensor.
 // NOTES: nothing here allocates unless a check fails (then the message is built): these checks
 // run on every call, and a heap allocation per tensor was a measurable part of the host cost.
 constexpr int kMaxDims = 8;  // the contract's tensors have rank <= 4; deeper ones are refused
@@ -186,7 +184,7 @@ struct Meta {
   uint64_t data;  // address of element 0
   int64_t element_size;
   int64_t numel;
-  const Tensor* source;  // for messages about tensors deeper than kMaxDims (nullptr: derived)
+  const Tensor* source;  // for messages about tensors deeper than kMaxDims
 
   static Meta of(const Tensor& t) {
     Meta m{device_of(t), t.scalar_type(), t.dim(), {}, {}, t.is_contiguous(),
@@ -199,13 +197,6 @@ struct Meta {
       m.strides[i] = st[i];
     }
     return m;
-  }
-  bool sizes_are(std::initializer_list<int64_t> want) const {
-    if (dim != static_cast<int64_t>(want.size())) return false;
-    int64_t i = 0;
-    for (int64_t w : want)
-      if (sizes[i++] != w) return false;
-    return true;
   }
   bool strides_are(const int64_t* want, int64_t n) const {
     if (dim != n) return false;
@@ -223,13 +214,14 @@ struct Meta {
   }
 };
 
-// One entry of a shape pattern: a fixed size, or a symbol (R, P, B, M) taken from an argument.
+// One entry of a shape pattern: a fixed size, or a symbol (R, P, C, B, M, page_size, ...)
+// taken from an argument.
 struct Dim {
-  int64_t size;  // when sym == 0
-  char sym;
+  int64_t size;     // when sym == nullptr
+  const char* sym;
 };
-constexpr Dim S(char c) { return {0, c}; }
-constexpr Dim F(int64_t n) { return {n, 0}; }
+constexpr Dim S(const char* s) { return {0, s}; }
+constexpr Dim F(int64_t n) { return {n, nullptr}; }
 
 // A shape pattern of rank <= 4 (copied out of its braced list, so it owns its entries).
 struct Shape {
@@ -243,35 +235,50 @@ struct Shape {
   size_t size() const { return rank; }
 };
 
+// contract.CONTIGUOUS / ROWS / PAGED
+enum class Layout { kContiguous, kRows, kPaged };
+constexpr int64_t kCacheAlign = 16;  // contract.CACHE_ALIGN (bytes)
+constexpr int64_t kPageMultiple = QSA_COMPRESS_RATIO;  // contract.PAGE_MULTIPLE
+
+// contract._Arg: the dtype rule (fixed alternatives, or an earlier argument's dtype first),
+// the layout rule and the shape pattern of one tensor argument. m == nullptr: an absent
+// optional argument (nothing is checked).
 struct Arg {
   const char* name;
-  Meta m;
-  ScalarType dtype;
+  const Meta* m;
+  std::array<ScalarType, 3> dtypes;
+  int n_dtypes;
+  int like;  // index of the argument whose dtype is also allowed (named first); -1: none
+  Layout layout;
   Shape shape;
-  bool packed;  // exact-packed K/V view: fixed strides instead of contiguity
 };
 
+Arg arg(const char* name, const Meta* m, std::initializer_list<ScalarType> dtypes, int like,
+        Layout layout, Shape shape) {
+  Arg a{name, m, {}, 0, like, layout, shape};
+  for (ScalarType t : dtypes) a.dtypes[a.n_dtypes++] = t;
+  return a;
+}
+
 struct SizeSource {
-  char sym;
+  const char* sym;
   int arg;
   int dim;
 };
 
-struct IntArg {
-  const char* name;
-  int64_t value;
-  int64_t expected;
-};
-
 std::string fmt_pattern(const Shape& p) {
   std::vector<std::string> items;
-  for (const Dim& d : p) items.push_back(d.sym ? std::string(1, d.sym) : std::to_string(d.size));
+  for (const Dim& d : p) items.push_back(d.sym ? std::string(d.sym) : std::to_string(d.size));
   return fmt_tuple(items);
 }
 
-constexpr int64_t kKvStrides[4] = {QSA_KV_PAGE * 2 * QSA_HEAD_DIM, 2 * QSA_HEAD_DIM, QSA_HEAD_DIM,
-                                   1};
-constexpr int64_t kPackedStrides[3] = {QSA_KV_PAGE * 2 * QSA_HEAD_DIM, 2 * QSA_HEAD_DIM, 1};
+// contract._fmt_dtypes: "a", "a or b", "a, b or c"
+std::string fmt_dtypes(const ScalarType* dtypes, int n) {
+  std::string s;
+  for (int i = 0; i < n; ++i)
+    s += (i == 0 ? "" : i + 1 == n ? " or " : ", ") + dtype_name(dtypes[i]);
+  return s;
+}
 
 // [start, end) of the bytes a tensor can address; {0, 0} when empty.
 std::pair<uint64_t, uint64_t> byte_range(const Meta& m) {
@@ -283,161 +290,238 @@ std::pair<uint64_t, uint64_t> byte_range(const Meta& m) {
   return {m.data, m.data + span * m.element_size};
 }
 
-// contract._validate for tensor arguments `args` (out last) and fixed-valued ints `ints`.
-// The storage half of the exact-packed check (V at +256 in K's storage, which holds every page)
-// holds by construction for views derived from a valid buffer, so it is not repeated here.
-// overlap=false leaves the storage checks to the caller (update_caches has two outputs).
-template <size_t N, size_t NS, size_t NI>
-void validate(const std::array<Arg, N>& args, const std::array<SizeSource, NS>& sources,
-              const std::array<IntArg, NI>& ints, bool overlap = true) {
-  const DeviceId first = args[0].m.device;
+// contract._check_layout
+void check_layout(const Arg& a) {
+  const Meta& m = *a.m;
+  if (a.layout == Layout::kContiguous) {
+    if (!m.contiguous)
+      value_error(std::string(a.name) + " must be contiguous, got strides " + m.fmt_strides() +
+                  " for shape " + m.fmt_sizes());
+    return;
+  }
+  if (m.dim >= 1 && m.dim <= kMaxDims && m.strides[m.dim - 1] != 1)
+    value_error(std::string(a.name) + " must have last stride 1, got strides " + m.fmt_strides());
+  if (a.layout == Layout::kPaged) {
+    const int64_t step = kCacheAlign / m.element_size;
+    for (int64_t i = 0; i + 1 < m.dim && i < kMaxDims; ++i)
+      if (m.sizes[i] > 1 && m.strides[i] % step != 0)
+        value_error(std::string(a.name) + " must have strides in multiples of " +
+                    std::to_string(kCacheAlign) + " bytes (" + std::to_string(step) +
+                    " elements of " + dtype_name(m.dtype) +
+                    ") in every dimension of size > 1 but the last, got strides " +
+                    m.fmt_strides() + " for shape " + m.fmt_sizes());
+  }
+}
+
+// contract._full_check (types and ints are the schema's): devices, dtypes, layouts, shapes,
+// sizes, in this order over the present arguments.
+template <size_t N, size_t NS>
+void check_tensors(const std::array<Arg, N>& args, const std::array<SizeSource, NS>& sources) {
+  const Arg& first = args[0];
   for (size_t i = 1; i < N; ++i)
-    if (!(args[i].m.device == first))
-      value_error(std::string(args[i].name) + " must be on the same device as " + args[0].name +
-                  " (" + device_name(first) + "), got " + device_name(args[i].m.device));
-  for (const Arg& a : args)
-    if (a.m.dtype != a.dtype)
-      type_error(std::string(a.name) + " must have dtype " + dtype_name(a.dtype) + ", got " +
-                 dtype_name(a.m.dtype));
-  for (const Arg& a : args)
-    if (!a.packed && !a.m.contiguous)
-      value_error(std::string(a.name) + " must be contiguous, got strides " + a.m.fmt_strides() +
-                  " for shape " + a.m.fmt_sizes());
-  for (const Arg& a : args)
-    if (a.packed && !a.m.strides_are(kKvStrides, 4))
-      value_error(std::string(a.name) + " must have strides " +
-                  fmt_ints(torch::headeronly::IntHeaderOnlyArrayRef(kKvStrides, 4)) +
-                  " (exact-packed K/V), got " + a.m.fmt_strides());
+    if (args[i].m && !(args[i].m->device == first.m->device))
+      value_error(std::string(args[i].name) + " must be on the same device as " + first.name +
+                  " (" + device_name(first.m->device) + "), got " +
+                  device_name(args[i].m->device));
   for (const Arg& a : args) {
-    bool ok = a.m.dim == static_cast<int64_t>(a.shape.size());
+    if (!a.m) continue;
+    const ScalarType given = a.m->dtype;
+    bool ok = a.like >= 0 && given == args[a.like].m->dtype;
+    for (int i = 0; i < a.n_dtypes; ++i) ok = ok || given == a.dtypes[i];
+    if (ok) continue;
+    std::string want;
+    if (a.like >= 0) {
+      want = dtype_name(args[a.like].m->dtype) + " (" + args[a.like].name + "'s)";
+      if (a.n_dtypes) want += " or " + fmt_dtypes(a.dtypes.data(), a.n_dtypes);
+    } else {
+      want = fmt_dtypes(a.dtypes.data(), a.n_dtypes);
+    }
+    type_error(std::string(a.name) + " must have dtype " + want + ", got " + dtype_name(given));
+  }
+  for (const Arg& a : args)
+    if (a.m) check_layout(a);
+  for (const Arg& a : args) {
+    if (!a.m) continue;
+    bool ok = a.m->dim == static_cast<int64_t>(a.shape.size());
     int64_t d = 0;
     for (const Dim& p : a.shape) {
       if (!ok) break;
-      ok = p.sym || a.m.sizes[d] == p.size;
+      ok = p.sym || a.m->sizes[d] == p.size;
       ++d;
     }
     if (!ok)
       value_error(std::string(a.name) + " must have shape " + fmt_pattern(a.shape) + ", got " +
-                  a.m.fmt_sizes());
+                  a.m->fmt_sizes());
   }
-  auto size_of = [&](char sym) -> const SizeSource& {
+  auto size_of = [&](const char* sym) -> const SizeSource& {
     for (const SizeSource& s : sources)
-      if (s.sym == sym) return s;
+      if (std::strcmp(s.sym, sym) == 0) return s;
     throw std::logic_error("qsa: unknown size symbol");
   };
+  auto value_of = [&](const char* sym) {
+    const SizeSource& src = size_of(sym);
+    return args[src.arg].m->sizes[src.dim];
+  };
   for (const Arg& a : args) {
+    if (!a.m) continue;
     int64_t d = 0;
     for (const Dim& p : a.shape) {
-      if (p.sym) {
-        const SizeSource& src = size_of(p.sym);
-        const int64_t want = args[src.arg].m.sizes[src.dim];
-        if (a.m.sizes[d] != want) {
-          std::vector<std::string> expected;
-          for (const Dim& x : a.shape) {
-            const int64_t v = x.sym ? args[size_of(x.sym).arg].m.sizes[size_of(x.sym).dim] : x.size;
-            expected.push_back(std::to_string(v));
-          }
-          value_error(std::string(a.name) + " must have shape " + fmt_pattern(a.shape) + " = " +
-                      fmt_tuple(expected) + " (" + std::string(1, p.sym) + " = " +
-                      std::to_string(want) + " from " + args[src.arg].name + "), got " +
-                      a.m.fmt_sizes());
-        }
+      if (p.sym && a.m->sizes[d] != value_of(p.sym)) {
+        std::vector<std::string> expected;
+        for (const Dim& x : a.shape)
+          expected.push_back(std::to_string(x.sym ? value_of(x.sym) : x.size));
+        value_error(std::string(a.name) + " must have shape " + fmt_pattern(a.shape) + " = " +
+                    fmt_tuple(expected) + " (" + p.sym + " = " +
+                    std::to_string(value_of(p.sym)) + " from " + args[size_of(p.sym).arg].name +
+                    "), got " + a.m->fmt_sizes());
       }
       ++d;
     }
   }
-  for (const IntArg& i : ints)
-    if (i.value != i.expected)
-      value_error(std::string(i.name) + " must be " + std::to_string(i.expected) + ", got " +
-                  std::to_string(i.value));
-  if (!overlap) return;
-  const Arg& out = args[N - 1];
-  const auto o = byte_range(out.m);
+}
+
+// contract._check_int_value
+void check_int_value(const char* name, int64_t value, int64_t expected) {
+  if (value != expected)
+    value_error(std::string(name) + " must be " + std::to_string(expected) + ", got " +
+                std::to_string(value));
+}
+
+// contract._check_no_overlap: `out` against each of `inputs` (absent ones skipped).
+void check_no_overlap(const Arg& out, const Arg* inputs, size_t n) {
+  const auto o = byte_range(*out.m);
   if (o.first == o.second) return;
-  for (size_t i = 0; i + 1 < N; ++i) {
-    const auto r = byte_range(args[i].m);
+  for (size_t i = 0; i < n; ++i) {
+    if (!inputs[i].m) continue;
+    const auto r = byte_range(*inputs[i].m);
     if (r.first != r.second && r.first < o.second && o.first < r.second)
       value_error(std::string(out.name) + " must not overlap any input, got overlap with " +
-                  args[i].name + " (bytes [" + fmt_hex(o.first) + ", " + fmt_hex(o.second) +
+                  inputs[i].name + " (bytes [" + fmt_hex(o.first) + ", " + fmt_hex(o.second) +
                   ") and [" + fmt_hex(r.first) + ", " + fmt_hex(r.second) + "))");
   }
 }
 
-constexpr double kDefaultSoftmaxScale = 0.0625;  // 1/sqrt(QSA_HEAD_DIM), exact
-static_assert(QSA_HEAD_DIM == 256, "kDefaultSoftmaxScale is 1/sqrt(256)");
+// contract._check_storage: paged arguments aligned, then `out` (last) against every input.
+template <size_t N>
+void check_storage(const std::array<Arg, N>& args) {
+  for (const Arg& a : args)
+    if (a.m && a.layout == Layout::kPaged && a.m->numel > 0 && a.m->data % kCacheAlign != 0)
+      value_error(std::string(a.name) + " must start at a " + std::to_string(kCacheAlign) +
+                  "-byte aligned address, got " + fmt_hex(a.m->data));
+  check_no_overlap(args[N - 1], args.data(), N - 1);
+}
+
+// contract._check_scale_value
+double check_scale_value(const char* name, double v) {
+  if (!(std::isfinite(v) && v > 0.0))
+    value_error(std::string(name) + " must be finite and > 0, got " + fmt_float(v));
+  return v;
+}
+
+constexpr ScalarType kFp8 = ScalarType::Float8_e4m3fn;
 
 void validate_select(const Tensor& q, const Tensor& ck, const Tensor& page_table,
                      const Tensor& token_to_req, const Tensor& query_positions,
                      const Tensor& sequence_lengths, int64_t token_topk, int64_t compress_ratio,
                      const Tensor& out) {
-  const std::array<Arg, 7> args = {{
-      {"q", Meta::of(q), ScalarType::Half, {S('R'), F(QSA_INDEX_HEADS), F(QSA_INDEX_DIM)}, false},
-      {"compressed_key_cache", Meta::of(ck), ScalarType::Half,
-       {S('P'), F(QSA_CK_PAGE), F(1), F(QSA_INDEX_DIM)}, false},
-      {"page_table", Meta::of(page_table), ScalarType::Int, {S('B'), S('M')}, false},
-      {"token_to_req", Meta::of(token_to_req), ScalarType::Int, {S('R')}, false},
-      {"query_positions", Meta::of(query_positions), ScalarType::Long, {S('R')}, false},
-      {"sequence_lengths", Meta::of(sequence_lengths), ScalarType::Int, {S('B')}, false},
-      {"out", Meta::of(out), ScalarType::Int, {S('R'), F(QSA_WIDTH)}, false},
-  }};
-  validate(args, std::array<SizeSource, 4>{{{'R', 0, 0}, {'P', 1, 0}, {'B', 2, 0}, {'M', 2, 1}}},
-           std::array<IntArg, 2>{{{"token_topk", token_topk, QSA_TOKEN_TOPK},
-                                  {"compress_ratio", compress_ratio, QSA_COMPRESS_RATIO}}});
+  const Meta mq = Meta::of(q), mck = Meta::of(ck), mpt = Meta::of(page_table),
+             mtr = Meta::of(token_to_req), mqp = Meta::of(query_positions),
+             msl = Meta::of(sequence_lengths), mout = Meta::of(out);
+  using L = Layout;
+  const ScalarType I32 = ScalarType::Int;
+  const std::array<Arg, 7> args = {
+      arg("q", &mq, {ScalarType::Half, ScalarType::BFloat16, kFp8}, -1, L::kContiguous,
+          {S("R"), F(QSA_INDEX_HEADS), F(QSA_INDEX_DIM)}),
+      arg("compressed_key_cache", &mck, {}, 0, L::kPaged,
+          {S("P"), S("C"), F(1), F(QSA_INDEX_DIM)}),
+      arg("page_table", &mpt, {I32}, -1, L::kRows, {S("B"), S("M")}),
+      arg("token_to_req", &mtr, {I32}, -1, L::kContiguous, {S("R")}),
+      arg("query_positions", &mqp, {ScalarType::Long}, -1, L::kContiguous, {S("R")}),
+      arg("sequence_lengths", &msl, {I32}, -1, L::kContiguous, {S("B")}),
+      arg("out", &mout, {I32}, -1, L::kRows, {S("R"), F(QSA_WIDTH)}),
+  };
+  check_tensors(args, std::array<SizeSource, 5>{{{"R", 0, 0},
+                                                  {"P", 1, 0},
+                                                  {"C", 1, 1},
+                                                  {"B", 2, 0},
+                                                  {"M", 2, 1}}});
+  if (mck.sizes[1] < 1)
+    value_error("compressed_key_cache must hold C >= 1 keys per page, got shape " +
+                mck.fmt_sizes());
+  if (mout.sizes[0] > 1 && mout.strides[0] < QSA_WIDTH)
+    value_error("out must have row stride >= " + std::to_string(QSA_WIDTH) +
+                " (rows must not overlap), got strides " + mout.fmt_strides());
+  check_int_value("token_topk", token_topk, QSA_TOKEN_TOPK);
+  check_int_value("compress_ratio", compress_ratio, QSA_COMPRESS_RATIO);
+  check_storage(args);
 }
 
-// contract.validate_packed_kv: the [P, 512, 512] buffer the operator takes.
-Meta validate_packed_kv(const Tensor& kv) {
-  const Meta m = Meta::of(kv);
-  if (m.dtype != ScalarType::Half)
-    type_error("kv must have dtype torch.float16, got " + dtype_name(m.dtype));
-  if (m.dim != 3 || m.sizes[1] != QSA_KV_PAGE || m.sizes[2] != 2 * QSA_HEAD_DIM)
-    value_error("kv must have shape (P, " + std::to_string(QSA_KV_PAGE) + ", " +
-                std::to_string(2 * QSA_HEAD_DIM) + "), got " + m.fmt_sizes());
-  if (!m.strides_are(kPackedStrides, 3))
-    value_error("kv must have strides " +
-                fmt_ints(torch::headeronly::IntHeaderOnlyArrayRef(kPackedStrides, 3)) +
-                ", got " + m.fmt_strides());
-  return m;
-}
+constexpr double kDefaultSoftmaxScale = 0.0625;  // 1/sqrt(QSA_HEAD_DIM), exact
+static_assert(QSA_HEAD_DIM == 256, "kDefaultSoftmaxScale is 1/sqrt(256)");
 
-// contract.kv_views: k_cache = kv[:, :, :256].unsqueeze(2), v_cache = kv[:, :, 256:].unsqueeze(2).
-std::pair<Meta, Meta> kv_views(const Meta& kv) {
-  Meta k = kv;
-  k.dim = 4;
-  const int64_t sizes[4] = {kv.sizes[0], QSA_KV_PAGE, 1, QSA_HEAD_DIM};
-  for (int i = 0; i < 4; ++i) {
-    k.sizes[i] = sizes[i];
-    k.strides[i] = kKvStrides[i];
+// The resolved scales of an attention call (contract.validate_attention_args' return value).
+struct AttentionScales {
+  double softmax;
+  double k;  // 1.0 unless the caches are float8
+  double v;
+};
+
+AttentionScales validate_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                                   const Tensor& logical_indices, const Tensor& page_table,
+                                   const Tensor& token_to_req, int64_t page_size,
+                                   const Tensor& out, std::optional<double> softmax_scale,
+                                   std::optional<double> k_scale, std::optional<double> v_scale,
+                                   const std::optional<Tensor>& gate) {
+  const Meta mq = Meta::of(q), mk = Meta::of(k_cache), mv = Meta::of(v_cache),
+             mli = Meta::of(logical_indices), mpt = Meta::of(page_table),
+             mtr = Meta::of(token_to_req), mout = Meta::of(out);
+  const std::optional<Meta> mgate = gate ? std::optional<Meta>(Meta::of(*gate)) : std::nullopt;
+  using L = Layout;
+  const ScalarType I32 = ScalarType::Int;
+  const std::array<Arg, 8> args = {
+      arg("q", &mq, {ScalarType::Half, ScalarType::BFloat16}, -1, L::kContiguous,
+          {S("R"), F(QSA_ATTN_HEADS), F(QSA_HEAD_DIM)}),
+      arg("k_cache", &mk, {kFp8}, 0, L::kPaged, {S("P"), S("page_size"), F(1), F(QSA_HEAD_DIM)}),
+      arg("v_cache", &mv, {}, 1, L::kPaged, {S("P"), S("page_size"), F(1), F(QSA_HEAD_DIM)}),
+      arg("logical_indices", &mli, {I32}, -1, L::kRows, {S("R"), F(QSA_WIDTH)}),
+      arg("page_table", &mpt, {I32}, -1, L::kRows, {S("B"), S("M")}),
+      arg("token_to_req", &mtr, {I32}, -1, L::kContiguous, {S("R")}),
+      arg("gate", mgate ? &*mgate : nullptr, {}, 0, L::kContiguous,
+          {S("R"), F(QSA_ATTN_HEADS), F(QSA_HEAD_DIM)}),
+      arg("out", &mout, {}, 0, L::kContiguous, {S("R"), F(QSA_ATTN_HEADS), F(QSA_HEAD_DIM)}),
+  };
+  check_tensors(args, std::array<SizeSource, 5>{{{"R", 0, 0},
+                                                  {"P", 1, 0},
+                                                  {"page_size", 1, 1},
+                                                  {"B", 4, 0},
+                                                  {"M", 4, 1}}});
+  if (page_size <= 0 || page_size % kPageMultiple != 0)
+    value_error("page_size must be a positive multiple of " + std::to_string(kPageMultiple) +
+                ", got " + std::to_string(page_size));
+  if (page_size != mk.sizes[1])
+    value_error("page_size must be k_cache.shape[1] = " + std::to_string(mk.sizes[1]) + ", got " +
+                std::to_string(page_size));
+  AttentionScales scales{kDefaultSoftmaxScale, 1.0, 1.0};
+  if (softmax_scale) scales.softmax = check_scale_value("softmax_scale", *softmax_scale);
+  const bool fp8 = mk.dtype == kFp8;
+  const std::pair<const char*, const char*> names[2] = {{"k_scale", "k_cache"},
+                                                        {"v_scale", "v_cache"}};
+  const std::optional<double>* given[2] = {&k_scale, &v_scale};
+  double* resolved[2] = {&scales.k, &scales.v};
+  for (int i = 0; i < 2; ++i) {
+    if (fp8) {
+      if (!*given[i])
+        value_error(std::string(names[i].first) + " must be a float > 0 when " + names[i].second +
+                    " is " + dtype_name(kFp8) + ", got None");
+      *resolved[i] = check_scale_value(names[i].first, **given[i]);
+    } else if (*given[i]) {
+      value_error(std::string(names[i].first) + " must be None when " + names[i].second +
+                  " is " + dtype_name(mk.dtype) + " (only " + dtype_name(kFp8) +
+                  " caches are scaled), got " + fmt_float(**given[i]));
+    }
   }
-  k.numel = kv.sizes[0] * QSA_KV_PAGE * QSA_HEAD_DIM;
-  k.contiguous = false;
-  k.source = nullptr;
-  Meta v = k;
-  v.data += QSA_HEAD_DIM * k.element_size;
-  return {k, v};
-}
-
-double validate_attention(const Tensor& q, const Tensor& kv, const Tensor& logical_indices,
-                          const Tensor& page_table, const Tensor& token_to_req, int64_t page_size,
-                          const Tensor& out, std::optional<double> softmax_scale) {
-  const auto [k_cache, v_cache] = kv_views(validate_packed_kv(kv));
-  const std::array<Arg, 7> args = {{
-      {"q", Meta::of(q), ScalarType::Half, {S('R'), F(QSA_ATTN_HEADS), F(QSA_HEAD_DIM)}, false},
-      {"k_cache", k_cache, ScalarType::Half, {S('P'), F(QSA_KV_PAGE), F(1), F(QSA_HEAD_DIM)}, true},
-      {"v_cache", v_cache, ScalarType::Half, {S('P'), F(QSA_KV_PAGE), F(1), F(QSA_HEAD_DIM)}, true},
-      {"logical_indices", Meta::of(logical_indices), ScalarType::Int, {S('R'), F(QSA_WIDTH)},
-       false},
-      {"page_table", Meta::of(page_table), ScalarType::Int, {S('B'), S('M')}, false},
-      {"token_to_req", Meta::of(token_to_req), ScalarType::Int, {S('R')}, false},
-      {"out", Meta::of(out), ScalarType::Half, {S('R'), F(QSA_ATTN_HEADS), F(QSA_HEAD_DIM)}, false},
-  }};
-  validate(args, std::array<SizeSource, 4>{{{'R', 0, 0}, {'P', 1, 0}, {'B', 4, 0}, {'M', 4, 1}}},
-           std::array<IntArg, 1>{{{"page_size", page_size, QSA_KV_PAGE}}});
-  if (!softmax_scale) return kDefaultSoftmaxScale;
-  const double s = *softmax_scale;
-  if (!(std::isfinite(s) && s > 0.0))
-    value_error("softmax_scale must be finite and > 0, got " + fmt_float(s));
-  return s;
+  check_storage(args);
+  return scales;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -623,6 +707,58 @@ bool pdl_enabled() {
 constexpr int64_t kInt32Max = 2147483647;
 
 // ---------------------------------------------------------------------------------------------
+// What the kernels take today: the seed's case of contract v2
+// ---------------------------------------------------------------------------------------------
+
+// NOTES: contract v2 (bfloat16, float8 K/V and indexer, vLLM's pages and strides, the gate) is
+// validated above for every backend; the CUDA kernels take its seed case until they are
+// generalised. Anything else is refused, after validation and before any launch, with
+// NotImplementedError naming what the kernels do not take yet (never a silent fallback).
+[[noreturn]] void not_implemented(const char* op, const std::string& what) {
+  refuse("NotImplementedError", std::string(op) + ": the CUDA kernels do not take " + what +
+                                    " yet (contract v2 runs on the PyTorch reference: " +
+                                    "QSA_BACKEND=reference)");
+}
+
+bool rows_contiguous(const Tensor& t) { return t.size(0) <= 1 || t.stride(0) == t.size(1); }
+
+void refuse_unless_kernels_take_select(const Tensor& q, const Tensor& ck, const Tensor& page_table,
+                                       const Tensor& out) {
+  const char* op = "select_paged_tokens";
+  if (q.scalar_type() != ScalarType::Half) not_implemented(op, "q of dtype " + dtype_name(q.scalar_type()));
+  if (ck.size(1) != QSA_CK_PAGE || !ck.is_contiguous())
+    not_implemented(op, "a compressed_key_cache other than a contiguous [P, " +
+                            std::to_string(QSA_CK_PAGE) + ", 1, " +
+                            std::to_string(QSA_INDEX_DIM) + "] tensor");
+  if (!rows_contiguous(page_table)) not_implemented(op, "strided page_table rows");
+  if (!rows_contiguous(out)) not_implemented(op, "strided out rows");
+}
+
+constexpr int64_t kKvStrides[4] = {QSA_KV_PAGE * 2 * QSA_HEAD_DIM, 2 * QSA_HEAD_DIM, QSA_HEAD_DIM,
+                                   1};
+
+void refuse_unless_kernels_take_attention(const Tensor& q, const Tensor& k_cache,
+                                          const Tensor& v_cache, const Tensor& logical_indices,
+                                          const Tensor& page_table,
+                                          const std::optional<Tensor>& gate) {
+  const char* op = "sparse_paged_attention";
+  if (q.scalar_type() != ScalarType::Half)
+    not_implemented(op, "q of dtype " + dtype_name(q.scalar_type()));
+  if (k_cache.scalar_type() != ScalarType::Half)
+    not_implemented(op, "K/V caches of dtype " + dtype_name(k_cache.scalar_type()));
+  const Meta mk = Meta::of(k_cache), mv = Meta::of(v_cache);
+  const bool packed =
+      mk.strides_are(kKvStrides, 4) && mv.strides_are(kKvStrides, 4) &&
+      mv.data == mk.data + QSA_HEAD_DIM * static_cast<uint64_t>(mk.element_size);
+  if (k_cache.size(1) != QSA_KV_PAGE || !packed)
+    not_implemented(op, "K/V other than the exact-packed 512-token layout (strides (262144, 512, "
+                        "256, 1), V 256 elements after K)");
+  if (gate) not_implemented(op, "the output gate");
+  if (!rows_contiguous(logical_indices)) not_implemented(op, "strided logical_indices rows");
+  if (!rows_contiguous(page_table)) not_implemented(op, "strided page_table rows");
+}
+
+// ---------------------------------------------------------------------------------------------
 // The ops
 // ---------------------------------------------------------------------------------------------
 
@@ -631,6 +767,7 @@ void select_paged_tokens(Tensor q, Tensor ck, Tensor page_table, Tensor token_to
                          int64_t compress_ratio, Tensor out) {
   validate_select(q, ck, page_table, token_to_req, query_positions, sequence_lengths, token_topk,
                   compress_ratio, out);
+  refuse_unless_kernels_take_select(q, ck, page_table, out);
   const int64_t rows = q.size(0), requests = page_table.size(0), width = page_table.size(1);
   if (width * QSA_CK_PAGE > kInt32Max)
     value_error("page_table width M must be at most " + std::to_string(kInt32Max / QSA_CK_PAGE) +
@@ -664,12 +801,15 @@ void select_paged_tokens(Tensor q, Tensor ck, Tensor page_table, Tensor token_to
   check_cuda(qsa::select_paged_tokens(p, stream), "select_paged_tokens");
 }
 
-void sparse_paged_attention(Tensor q, Tensor kv, Tensor logical_indices, Tensor page_table,
-                            Tensor token_to_req, int64_t page_size, Tensor out,
-                            std::optional<double> softmax_scale) {
-  const double scale = validate_attention(q, kv, logical_indices, page_table, token_to_req,
-                                          page_size, out, softmax_scale);
-  const int64_t rows = q.size(0), pages = kv.size(0);
+void sparse_paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor logical_indices,
+                            Tensor page_table, Tensor token_to_req, int64_t page_size, Tensor out,
+                            std::optional<double> softmax_scale, std::optional<double> k_scale,
+                            std::optional<double> v_scale, std::optional<Tensor> gate) {
+  const AttentionScales scales =
+      validate_attention(q, k_cache, v_cache, logical_indices, page_table, token_to_req,
+                         page_size, out, softmax_scale, k_scale, v_scale, gate);
+  refuse_unless_kernels_take_attention(q, k_cache, v_cache, logical_indices, page_table, gate);
+  const int64_t rows = q.size(0), pages = k_cache.size(0);
   const int64_t requests = page_table.size(0), width = page_table.size(1);
   if (pages * QSA_KV_PAGE > kInt32Max)
     value_error("k_cache must have at most " + std::to_string(kInt32Max / QSA_KV_PAGE) +
@@ -684,7 +824,7 @@ void sparse_paged_attention(Tensor q, Tensor kv, Tensor logical_indices, Tensor 
   const WorkspaceView ws =
       workspace(q, device, stream, qsa::attention_workspace_bytes(rows, splits, device));
   const qsa::AttentionParams p{q.const_data_ptr(),
-                               kv.const_data_ptr(),
+                               k_cache.const_data_ptr(),  // the exact-packed buffer's start
                                static_cast<const int32_t*>(logical_indices.const_data_ptr()),
                                static_cast<const int32_t*>(page_table.const_data_ptr()),
                                static_cast<const int32_t*>(token_to_req.const_data_ptr()),
@@ -695,7 +835,7 @@ void sparse_paged_attention(Tensor q, Tensor kv, Tensor logical_indices, Tensor 
                                pages,
                                QSA_WIDTH,
                                width,
-                               static_cast<float>(scale),
+                               static_cast<float>(scales.softmax),
                                splits,
                                ws.scratch,
                                ws.scratch_bytes,
@@ -712,11 +852,12 @@ void check_select(Tensor q, Tensor ck, Tensor page_table, Tensor token_to_req,
                   compress_ratio, out);
 }
 
-void check_attention(Tensor q, Tensor kv, Tensor logical_indices, Tensor page_table,
-                     Tensor token_to_req, int64_t page_size, Tensor out,
-                     std::optional<double> softmax_scale) {
-  validate_attention(q, kv, logical_indices, page_table, token_to_req, page_size, out,
-                     softmax_scale);
+void check_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor logical_indices,
+                     Tensor page_table, Tensor token_to_req, int64_t page_size, Tensor out,
+                     std::optional<double> softmax_scale, std::optional<double> k_scale,
+                     std::optional<double> v_scale, std::optional<Tensor> gate) {
+  validate_attention(q, k_cache, v_cache, logical_indices, page_table, token_to_req, page_size,
+                     out, softmax_scale, k_scale, v_scale, gate);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -726,19 +867,8 @@ void check_attention(Tensor q, Tensor kv, Tensor logical_indices, Tensor page_ta
 // contract.validate_update_args' storage checks: each output against every input, then the
 // two outputs against each other.
 void check_outputs_disjoint(const std::array<Arg, 7>& args, size_t first_output) {
-  for (size_t o = first_output; o < args.size(); ++o) {
-    const auto out = byte_range(args[o].m);
-    if (out.first == out.second) continue;
-    for (size_t i = 0; i < first_output; ++i) {
-      const auto r = byte_range(args[i].m);
-      if (r.first != r.second && r.first < out.second && out.first < r.second)
-        value_error(std::string(args[o].name) + " must not overlap any input, got overlap with " +
-                    args[i].name + " (bytes [" + fmt_hex(out.first) + ", " +
-                    fmt_hex(out.second) + ") and [" + fmt_hex(r.first) + ", " +
-                    fmt_hex(r.second) + "))");
-    }
-  }
-  const auto kv = byte_range(args[first_output].m), ck = byte_range(args[first_output + 1].m);
+  for (size_t o = first_output; o < args.size(); ++o) check_no_overlap(args[o], args.data(), first_output);
+  const auto kv = byte_range(*args[first_output].m), ck = byte_range(*args[first_output + 1].m);
   if (kv.first != kv.second && ck.first != ck.second && ck.first < kv.second &&
       kv.first < ck.second)
     value_error(std::string(args[first_output + 1].name) + " must not overlap " +
@@ -750,21 +880,24 @@ void check_outputs_disjoint(const std::array<Arg, 7>& args, size_t first_output)
 void validate_update(const Tensor& key, const Tensor& value, const Tensor& slot_mapping,
                      const Tensor& compressed_slot_mapping, const Tensor& index_wk,
                      const Tensor& kv_cache, const Tensor& compressed_key_cache) {
-  const std::array<Arg, 7> args = {{
-      {"key", Meta::of(key), ScalarType::Half, {S('T'), F(QSA_HEAD_DIM)}, false},
-      {"value", Meta::of(value), ScalarType::Half, {S('T'), F(QSA_HEAD_DIM)}, false},
-      {"slot_mapping", Meta::of(slot_mapping), ScalarType::Long, {S('T')}, false},
-      {"compressed_slot_mapping", Meta::of(compressed_slot_mapping), ScalarType::Long, {S('T')},
-       false},
-      {"index_wk", Meta::of(index_wk), ScalarType::Float, {F(QSA_INDEX_DIM), F(QSA_HEAD_DIM)},
-       false},
-      {"kv_cache", Meta::of(kv_cache), ScalarType::Half,
-       {S('P'), F(QSA_KV_PAGE), F(2 * QSA_HEAD_DIM)}, false},
-      {"compressed_key_cache", Meta::of(compressed_key_cache), ScalarType::Half,
-       {S('Q'), F(QSA_CK_PAGE), F(1), F(QSA_INDEX_DIM)}, false},
-  }};
-  validate(args, std::array<SizeSource, 3>{{{'T', 0, 0}, {'P', 5, 0}, {'Q', 6, 0}}},
-           std::array<IntArg, 0>{}, /*overlap=*/false);
+  const Meta mk = Meta::of(key), mv = Meta::of(value), ms = Meta::of(slot_mapping),
+             mcs = Meta::of(compressed_slot_mapping), mw = Meta::of(index_wk),
+             mkv = Meta::of(kv_cache), mck = Meta::of(compressed_key_cache);
+  using L = Layout;
+  const ScalarType F16 = ScalarType::Half, I64 = ScalarType::Long;
+  const std::array<Arg, 7> args = {
+      arg("key", &mk, {F16}, -1, L::kContiguous, {S("T"), F(QSA_HEAD_DIM)}),
+      arg("value", &mv, {F16}, -1, L::kContiguous, {S("T"), F(QSA_HEAD_DIM)}),
+      arg("slot_mapping", &ms, {I64}, -1, L::kContiguous, {S("T")}),
+      arg("compressed_slot_mapping", &mcs, {I64}, -1, L::kContiguous, {S("T")}),
+      arg("index_wk", &mw, {ScalarType::Float}, -1, L::kContiguous,
+          {F(QSA_INDEX_DIM), F(QSA_HEAD_DIM)}),
+      arg("kv_cache", &mkv, {F16}, -1, L::kContiguous,
+          {S("P"), F(QSA_KV_PAGE), F(2 * QSA_HEAD_DIM)}),
+      arg("compressed_key_cache", &mck, {F16}, -1, L::kContiguous,
+          {S("Q"), F(QSA_CK_PAGE), F(1), F(QSA_INDEX_DIM)}),
+  };
+  check_tensors(args, std::array<SizeSource, 3>{{{"T", 0, 0}, {"P", 5, 0}, {"Q", 6, 0}}});
   check_outputs_disjoint(args, 5);
 }
 

@@ -9,8 +9,6 @@ and nothing is written.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from . import contract, ops, reference
@@ -59,16 +57,20 @@ def _is_int(value: object) -> bool:
     return type(value) is int  # bool and other int look-alikes take contract.py's checks
 
 
+def _is_float(value: object) -> bool:
+    return value is None or type(value) is float
+
+
 def select_paged_tokens(
-    q: torch.Tensor,  # [R, 4, 128] float16
-    compressed_key_cache: torch.Tensor,  # [P, 128, 1, 128] float16
-    page_table: torch.Tensor,  # [B, M] int32
+    q: torch.Tensor,  # [R, 4, 128] float16, bfloat16 or float8_e4m3fn
+    compressed_key_cache: torch.Tensor,  # [P, C, 1, 128] q's dtype, last stride 1
+    page_table: torch.Tensor,  # [B, M] int32 (rows may be strided)
     token_to_req: torch.Tensor,  # [R] int32
     query_positions: torch.Tensor,  # [R] int64
     sequence_lengths: torch.Tensor,  # [B] int32
     token_topk: int,  # must be 2048
     compress_ratio: int,  # must be 4
-    out: torch.Tensor,  # [R, 2051] int32, fully overwritten
+    out: torch.Tensor,  # [R, 2051] int32 (rows may be strided), fully overwritten
 ) -> torch.Tensor:
     """Select up to 2051 logical token positions per row (contract section 1); returns ``out``."""
     args = (q, compressed_key_cache, page_table, token_to_req, query_positions,
@@ -86,34 +88,33 @@ def select_paged_tokens(
 
 
 def sparse_paged_attention(
-    q: torch.Tensor,  # [R, 3, 256] float16
-    k_cache: torch.Tensor,  # [P, 512, 1, 256] float16, strides (262144, 512, 256, 1)
-    v_cache: torch.Tensor,  # [P, 512, 1, 256] float16, storage offset of k_cache + 256
-    logical_indices: torch.Tensor,  # [R, 2051] int32, -1 = hole
-    page_table: torch.Tensor,  # [B, M] int32
+    q: torch.Tensor,  # [R, 3, 256] float16 or bfloat16
+    k_cache: torch.Tensor,  # [P, page_size, 1, 256] q's dtype or float8_e4m3fn, last stride 1
+    v_cache: torch.Tensor,  # [P, page_size, 1, 256] k_cache's dtype (same or other storage)
+    logical_indices: torch.Tensor,  # [R, 2051] int32 (rows may be strided), -1 = hole
+    page_table: torch.Tensor,  # [B, M] int32 (rows may be strided)
     token_to_req: torch.Tensor,  # [R] int32
-    page_size: int,  # must be 512
-    out: torch.Tensor,  # [R, 3, 256] float16, fully overwritten
+    page_size: int,  # k_cache.shape[1], a positive multiple of 4
+    out: torch.Tensor,  # [R, 3, 256] q's dtype, fully overwritten
     softmax_scale: float | None = None,  # default 1/sqrt(256)
+    *,
+    k_scale: float | None = None,  # float8 caches only: K = value * k_scale
+    v_scale: float | None = None,  # float8 caches only: V = value * v_scale
+    gate: torch.Tensor | None = None,  # [R, 3, 256] q's dtype: out = attn * sigmoid(gate)
 ) -> torch.Tensor:
     """Sparse attention over the listed tokens (contract section 2); returns ``out``."""
     args = (q, k_cache, v_cache, logical_indices, page_table, token_to_req, page_size, out,
             softmax_scale)  # fmt: skip
-    if torch.compiler.is_compiling():  # traced once: check what metadata shows, then the op
-        contract.validate_attention_args(*args, check_storage=False)
-        kv = contract.packed_kv_buffer(k_cache)
-        _attention(q, kv, logical_indices, page_table, token_to_req, page_size, out, softmax_scale)
+    kwargs = {"k_scale": k_scale, "v_scale": v_scale, "gate": gate}
+    if torch.compiler.is_compiling():
+        _attention(*args, **kwargs)
         return out
-    if not (_is_int(page_size) and (softmax_scale is None or type(softmax_scale) is float)):
-        contract.validate_attention_args(*args)  # types the schema would coerce
-    kv = _packed_buffer(k_cache, v_cache)
-    if kv is None:
-        contract.validate_attention_args(*args)  # raises with the contract's ordered message
-        kv = contract.packed_kv_buffer(k_cache)  # (only reached if it did not)
+    if not (_is_int(page_size) and all(_is_float(x) for x in (softmax_scale, k_scale, v_scale))):
+        contract.validate_attention_args(*args, **kwargs)  # types the schema would coerce
     try:
-        _attention(q, kv, logical_indices, page_table, token_to_req, page_size, out, softmax_scale)
+        _attention(*args, **kwargs)
     except (RuntimeError, TypeError, ValueError) as exc:
-        ops.raise_refusal(exc, "sparse_paged_attention", args)
+        ops.raise_refusal(exc, "sparse_paged_attention", args, kwargs)
     return out
 
 
@@ -137,46 +138,6 @@ def update_caches(
         _update(*args)
     except (RuntimeError, TypeError, ValueError) as exc:
         ops.raise_refusal(exc, "update_caches", args)
-
-
-_KV_STRIDES = contract.KV_STRIDES
-_KV_SHAPE = (KV_PAGE, 1, HEAD_DIM)
-_V_BYTES = 2 * HEAD_DIM  # v_cache starts 256 float16 after k_cache
-_PAIR = "_qsa_packed_pair"  # attribute of a checked k_cache: (weakref to its v_cache, buffer)
-
-
-def _packed_buffer(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-    """The [P, 512, 512] buffer whose two views are (k, v), or None when they are not such a
-    pair (contract.py then words the refusal; the operator checks the buffer itself).
-
-    NOTES: a serving loop passes the same two view objects at every step, and checking them
-    from Python costs about 9 us on the H200 host (measured), so a checked pair remembers its
-    buffer on the k_cache object (its lifetime, no global cache); a later call re-checks only
-    that v is the same object and that neither view moved (their data pointers)."""
-    try:
-        pair = k.__dict__.get(_PAIR)
-        if pair is not None and pair[0]() is v and v.data_ptr() - k.data_ptr() == _V_BYTES:
-            return pair[1]
-        ok = (
-            k.stride() == _KV_STRIDES
-            and v.stride() == _KV_STRIDES
-            and k.shape[1:] == _KV_SHAPE
-            and v.shape == k.shape
-            and k.dtype is torch.float16
-            and v.dtype is torch.float16
-            and v.device == k.device
-            and v.storage_offset() == k.storage_offset() + HEAD_DIM
-            and v.data_ptr() - k.data_ptr() == _V_BYTES
-            and k.untyped_storage().nbytes()
-            >= 2 * (k.storage_offset() + k.shape[0] * _KV_STRIDES[0])
-        )
-    except (AttributeError, IndexError, TypeError):
-        return None
-    if not ok:
-        return None
-    kv = contract.packed_kv_buffer(k)
-    k.__dict__[_PAIR] = (weakref.ref(v), kv)
-    return kv
 
 
 def build_info() -> dict:

@@ -1,20 +1,23 @@
-"""Constants and argument validators of the two QSA operators, shared by every backend.
+"""Constants and argument validators of the QSA operators, shared by every backend.
 
-The contract is fixed (one rank of a TP8 Qwen3.8-style model); see docs/contract.md.
+Contract v2 (docs/contract.md): the seed's fixed case (float16, 512-token exact-packed pages)
+is one point of it; bfloat16, float8-e4m3 K/V caches with per-tensor scales and an fp8
+indexer, vLLM's page sizes and strides, strided index rows and an output gate are the rest.
 Every public call is validated here *before* any backend runs, in one fixed order:
 
-1. argument types   (tensor / int / float; TypeError)
-2. device           (all tensors on the device of ``q``)
-3. dtype            (TypeError)
-4. layout           (contiguity; K/V: exact strides (262144, 512, 256, 1))
+1. argument types   (tensor / int / float / None; TypeError)
+2. device           (all tensors on the device of the first)
+3. dtype            (TypeError; some follow another argument's dtype)
+4. layout           (contiguity, or last stride 1 with strided rows; caches: strides in
+                     multiples of 16 bytes)
 5. shape            (rank and fixed sizes of each tensor)
-6. consistency      (R, B, M and P agree across tensors; token_topk / compress_ratio /
-                     page_size / softmax_scale values)
-7. storage          (V starts 256 elements after K in the same storage, which holds every
-                     page; ``out`` shares no byte with any input)
+6. consistency      (R, B, M, P, C, page_size agree across tensors; row strides; then the
+                     values of token_topk / compress_ratio / page_size and the scales)
+7. storage          (cache data 16-byte aligned; ``out`` shares no byte with any input)
 
 All other failures raise ValueError. Each message names the argument, what was expected
-and what was given. Nothing is written when a call is refused.
+and what was given. Nothing is written when a call is refused. csrc/torch_ops.cpp repeats
+these checks word for word for CUDA tensors (tests/cpu/test_ops.py holds them together).
 """
 
 from __future__ import annotations
@@ -95,12 +98,6 @@ def check_macros(macros: Mapping[str, int]) -> None:
 # ----------------------------------------------------------------------------------------
 
 
-def _check_tensor_types(names: Sequence[str], tensors: Sequence[object]) -> None:
-    for name, t in zip(names, tensors, strict=True):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-
-
 def _check_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -111,38 +108,17 @@ def _check_int_value(name: str, value: int, expected: int) -> None:
         raise ValueError(f"{name} must be {expected}, got {value}")
 
 
-def _check_scale_type(softmax_scale: object) -> None:
-    if softmax_scale is not None and (
-        isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-    ):
-        raise TypeError(
-            f"softmax_scale must be a float, an int or None, got {type(softmax_scale).__name__}"
-        )
+def _check_scale_type(name: str, value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise TypeError(f"{name} must be a float, an int or None, got {type(value).__name__}")
 
 
 def resolve_softmax_scale(softmax_scale: object) -> float:
     """None -> 1/sqrt(256); otherwise a finite positive Python float or int (not bool)."""
-    _check_scale_type(softmax_scale)
+    _check_scale_type("softmax_scale", softmax_scale)
     if softmax_scale is None:
         return DEFAULT_SOFTMAX_SCALE
-    value = float(softmax_scale)
-    if not (math.isfinite(value) and value > 0.0):
-        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale!r}")
-    return value
-
-
-def _check_devices(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
-    device = tensors[0].device
-    for name, t in zip(names[1:], tensors[1:], strict=True):
-        if t.device != device:
-            raise ValueError(
-                f"{name} must be on the same device as {names[0]} ({device}), got {t.device}"
-            )
-
-
-def _check_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    return _check_scale_value("softmax_scale", softmax_scale)
 
 
 def _check_contiguous(name: str, t: torch.Tensor) -> None:
@@ -211,181 +187,216 @@ def _check_no_overlap(
             )
 
 
-def _check_kv_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if tuple(t.stride()) != KV_STRIDES:
-            raise ValueError(
-                f"{name} must have strides {KV_STRIDES} (exact-packed K/V), got {tuple(t.stride())}"
-            )
-
-
-def _check_kv_storage(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """V starts 256 elements after K in the same storage, which holds all P pages."""
-    k_off, v_off = k_cache.storage_offset(), v_cache.storage_offset()
-    if v_off != k_off + V_OFFSET:
-        raise ValueError(
-            f"v_cache must have storage offset k_cache.storage_offset() + {V_OFFSET} = "
-            f"{k_off + V_OFFSET} (exact-packed K/V), got {v_off}"
-        )
-    k_storage, v_storage = k_cache.untyped_storage(), v_cache.untyped_storage()
-    if k_storage.data_ptr() != v_storage.data_ptr():
-        raise ValueError(
-            "v_cache must share k_cache's storage (exact-packed K/V), got storage at "
-            f"{v_storage.data_ptr():#x} vs {k_storage.data_ptr():#x}"
-        )
-    if k_cache.numel() > 0:
-        # both views together cover elements [k_off, k_off + P * 262144) of the storage
-        needed = (k_off + k_cache.shape[0] * KV_STRIDES[0]) * k_cache.element_size()
-        if k_storage.nbytes() < needed:
-            raise ValueError(
-                f"k_cache/v_cache storage must hold at least {needed} bytes for "
-                f"{k_cache.shape[0]} exact-packed pages, got {k_storage.nbytes()}"
-            )
-
-
 # ----------------------------------------------------------------------------------------
-# the packed KV buffer: what the attention custom op receives
+# the seed's exact-packed K/V layout (the layout update_caches writes and the default of the
+# test cases; contract v2 accepts it as one layout among others)
 # ----------------------------------------------------------------------------------------
 
 PACKED_KV_STRIDES = (KV_STRIDES[0], PACKED_TOKEN_STRIDE, 1)  # (262144, 512, 1)
 
 
 def packed_kv_buffer(k_cache: torch.Tensor) -> torch.Tensor:
-    """The [P, 512, 512] exact-packed buffer that a validated k_cache views (same storage
-    offset). NOTES: the operator's schema takes this one tensor instead of the two aliasing
-    views, because a schema cannot state that two arguments alias: opcheck clones every input
-    on its own (measured: the clone of v_cache then has storage offset 0) and so would any
-    tool that copies arguments apart."""
+    """The [P, 512, 512] exact-packed buffer that an exact-packed k_cache views (same storage
+    offset)."""
     return k_cache.as_strided((k_cache.shape[0], KV_PAGE, PACKED_TOKEN_STRIDE), PACKED_KV_STRIDES)
 
 
 def kv_views(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(k_cache, v_cache): the two [P, 512, 1, 256] views, strides (262144, 512, 256, 1)."""
+    """(k_cache, v_cache) of an exact-packed [P, page, 512] buffer: the two [P, page, 1, 256]
+    views (strides (page * 512, 512, 256, 1) for a contiguous buffer)."""
     return kv[:, :, :HEAD_DIM].unsqueeze(2), kv[:, :, HEAD_DIM:].unsqueeze(2)
 
 
-def validate_packed_kv(kv: object) -> None:
-    """Refuse a packed KV buffer that is not float16 [P, 512, 512] with strides (262144, 512, 1)."""
-    _check_tensor_types(("kv",), (kv,))
-    _check_dtype("kv", kv, torch.float16)
-    if kv.dim() != 3 or tuple(kv.shape[1:]) != (KV_PAGE, PACKED_TOKEN_STRIDE):
-        raise ValueError(
-            f"kv must have shape (P, {KV_PAGE}, {PACKED_TOKEN_STRIDE}), got {tuple(kv.shape)}"
-        )
-    if tuple(kv.stride()) != PACKED_KV_STRIDES:
-        raise ValueError(f"kv must have strides {PACKED_KV_STRIDES}, got {tuple(kv.stride())}")
+# ----------------------------------------------------------------------------------------
+# contract v2: dtypes, layouts and the ordered checks of the two operators
+# ----------------------------------------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+ATTENTION_DTYPES = (torch.float16, torch.bfloat16)  # q / out (and gate, and non-fp8 caches)
+SELECT_DTYPES = (torch.float16, torch.bfloat16, FP8)  # q and compressed_key_cache alike
+CACHE_ALIGN = 16  # bytes: cache data pointers and every stride but the last (vector loads)
+PAGE_MULTIPLE = COMPRESS_RATIO  # page_size must be a positive multiple of 4 (a block never
+# straddles a page)
+
+# layouts
+CONTIGUOUS = "contiguous"
+ROWS = "rows"  # last stride 1, rows may be strided
+PAGED = "paged"  # last stride 1, other strides (of dims of size > 1) multiples of 16 bytes
 
 
-# ----------------------------------------------------------------------------------------
-# the two validators
-# ----------------------------------------------------------------------------------------
+def _fmt_dtypes(dtypes: Sequence[torch.dtype]) -> str:
+    names = [str(d) for d in dtypes]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+@dataclass(frozen=True)
+class _Arg:
+    """One tensor argument: its dtype rule, layout rule and shape pattern."""
+
+    name: str
+    dtypes: tuple[torch.dtype, ...] = ()  # fixed alternatives
+    like: str | None = None  # ... or the dtype of this earlier argument (named first)
+    layout: str = CONTIGUOUS
+    shape: tuple[int | str, ...] = ()
+    optional: bool = False  # may be None (then nothing is checked)
+
+    def allowed(self, dtype_of: Mapping[str, torch.dtype]) -> tuple[torch.dtype, ...]:
+        return ((dtype_of[self.like],) if self.like else ()) + self.dtypes
+
+    def dtype_message(self, dtype_of: Mapping[str, torch.dtype], given: torch.dtype) -> str:
+        if self.like:
+            want = f"{dtype_of[self.like]} ({self.like}'s)"
+            if self.dtypes:
+                want += " or " + _fmt_dtypes(self.dtypes)
+        else:
+            want = _fmt_dtypes(self.dtypes)
+        return f"{self.name} must have dtype {want}, got {given}"
 
 
 @dataclass(frozen=True)
 class _OpSpec:
     """The tensor arguments of one operator, in validation order (``out`` last)."""
 
-    names: tuple[str, ...]
-    dtypes: tuple[torch.dtype, ...]
-    shapes: tuple[tuple[int | str, ...], ...]
+    args: tuple[_Arg, ...]
     sizes: dict[str, tuple[int, int]]  # symbol -> (argument index, dim) it is taken from
-    packed: tuple[int, int] | None = None  # indices of (k_cache, v_cache): exact-packed
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.args)
 
     def resolve(self, tensors: Sequence[torch.Tensor]) -> dict[str, tuple[int, str]]:
         return {sym: (tensors[i].shape[dim], self.names[i]) for sym, (i, dim) in self.sizes.items()}
 
 
-def _fast_ok(spec: _OpSpec, tensors: Sequence[torch.Tensor], ints: Sequence[tuple]) -> bool:
-    """True when every check of _full_check passes; a cheap path for the common case (about
-    10 us instead of 60 us for the ordered checks). Anything unusual returns False and the
-    ordered checks then decide and word the error."""
+def _check_layout(arg: _Arg, t: torch.Tensor) -> None:
+    if arg.layout == CONTIGUOUS:
+        _check_contiguous(arg.name, t)
+        return
+    strides = tuple(t.stride())
+    if strides and strides[-1] != 1:
+        raise ValueError(f"{arg.name} must have last stride 1, got strides {strides}")
+    if arg.layout == PAGED:
+        step = CACHE_ALIGN // t.element_size()
+        if any(s % step for s, n in zip(strides[:-1], t.shape[:-1], strict=True) if n > 1):
+            raise ValueError(
+                f"{arg.name} must have strides in multiples of {CACHE_ALIGN} bytes ({step} "
+                f"elements of {t.dtype}) in every dimension of size > 1 but the last, got "
+                f"strides {strides} for shape {tuple(t.shape)}"
+            )
+
+
+def _check_aligned(name: str, t: torch.Tensor) -> None:
+    if t.numel() > 0 and t.data_ptr() % CACHE_ALIGN:
+        raise ValueError(
+            f"{name} must start at a {CACHE_ALIGN}-byte aligned address, got {t.data_ptr():#x}"
+        )
+
+
+def _full_check(spec: _OpSpec, tensors: Sequence, ints: Sequence[tuple]) -> None:
+    """The ordered checks of types, devices, dtypes, layouts, shapes and sizes (see the
+    module docstring); raises on the first failure. ``None`` stands for an absent optional
+    tensor; ``ints`` are (name, value) pairs checked for type here."""
+    for arg, t in zip(spec.args, tensors, strict=True):
+        if arg.optional and t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            extra = " or None" if arg.optional else ""
+            raise TypeError(f"{arg.name} must be a torch.Tensor{extra}, got {type(t).__name__}")
+    for name, value in ints:
+        _check_int(name, value)
+    present = [(a, t) for a, t in zip(spec.args, tensors, strict=True) if t is not None]
+    first_arg, first = present[0]
+    for arg, t in present[1:]:
+        if t.device != first.device:
+            raise ValueError(
+                f"{arg.name} must be on the same device as {first_arg.name} ({first.device}), "
+                f"got {t.device}"
+            )
+    dtype_of: dict[str, torch.dtype] = {}
+    for arg, t in present:
+        if t.dtype not in arg.allowed(dtype_of):
+            raise TypeError(arg.dtype_message(dtype_of, t.dtype))
+        dtype_of[arg.name] = t.dtype
+    for arg, t in present:
+        _check_layout(arg, t)
+    for arg, t in present:
+        _check_shape(arg.name, t, arg.shape)
+    sizes = spec.resolve(tensors)
+    for arg, t in present:
+        _check_size(arg.name, t, arg.shape, sizes)
+
+
+def _fast_ok(spec: _OpSpec, tensors: Sequence, ints: Sequence[tuple]) -> bool:
+    """True when every check of _full_check passes; a cheap path for the common case. Anything
+    unusual returns False and the ordered checks then decide and word the error."""
     try:
-        for _, value, expected in ints:
-            if type(value) is not int or value != expected:
+        for _, value in ints:
+            if type(value) is not int:
                 return False
         sizes = {sym: tensors[i].shape[dim] for sym, (i, dim) in spec.sizes.items()}
         device = tensors[0].device
-        for i, (t, dtype, pattern) in enumerate(
-            zip(tensors, spec.dtypes, spec.shapes, strict=True)
-        ):
-            if t.device != device or t.dtype != dtype:
+        dtype_of: dict[str, torch.dtype] = {}
+        for arg, t in zip(spec.args, tensors, strict=True):
+            if t is None:
+                if not arg.optional:
+                    return False
+                continue
+            if t.device != device or t.dtype not in arg.allowed(dtype_of):
                 return False
-            if t.shape != tuple(sizes[p] if isinstance(p, str) else p for p in pattern):
+            dtype_of[arg.name] = t.dtype
+            if t.shape != tuple(sizes[p] if isinstance(p, str) else p for p in arg.shape):
                 return False
-            if spec.packed is None or i not in spec.packed:
+            if arg.layout == CONTIGUOUS:
                 if not t.is_contiguous():
                     return False
-        if spec.packed is not None:
-            k, v = (tensors[i] for i in spec.packed)
-            if k.stride() != KV_STRIDES or v.stride() != KV_STRIDES:
+            elif t.stride()[-1] != 1 or (
+                arg.layout == PAGED
+                and any(s % (CACHE_ALIGN // t.element_size()) for s in t.stride()[:2])
+            ):
                 return False
         return True
-    except (AttributeError, IndexError, TypeError):
+    except (AttributeError, IndexError, TypeError, KeyError):
         return False
 
 
-def _full_check(spec: _OpSpec, tensors: Sequence[torch.Tensor], ints: Sequence[tuple]) -> None:
-    """The ordered checks (see the module docstring); raises on the first failure."""
-    _check_tensor_types(spec.names, tensors)
-    for name, value, _ in ints:
-        _check_int(name, value)
-    _check_devices(spec.names, tensors)
-    for name, t, dtype in zip(spec.names, tensors, spec.dtypes, strict=True):
-        _check_dtype(name, t, dtype)
-    for i, (name, t) in enumerate(zip(spec.names, tensors, strict=True)):
-        if spec.packed is None or i not in spec.packed:
-            _check_contiguous(name, t)
-    if spec.packed is not None:
-        _check_kv_strides(*(tensors[i] for i in spec.packed))
-    for name, t, pattern in zip(spec.names, tensors, spec.shapes, strict=True):
-        _check_shape(name, t, pattern)
-    sizes = spec.resolve(tensors)
-    for name, t, pattern in zip(spec.names, tensors, spec.shapes, strict=True):
-        _check_size(name, t, pattern, sizes)
-    for name, value, expected in ints:
-        _check_int_value(name, value, expected)
-
-
-def _validate(
-    spec: _OpSpec, tensors: Sequence[torch.Tensor], ints: Sequence[tuple], check_storage: bool
-) -> None:
+def _check_tensors(spec: _OpSpec, tensors: Sequence, ints: Sequence[tuple] = ()) -> None:
     if not _fast_ok(spec, tensors, ints):
         _full_check(spec, tensors, ints)
-    if check_storage:
-        if spec.packed is not None:
-            _check_kv_storage(*(tensors[i] for i in spec.packed))
-        _check_no_overlap(spec.names[-1], tensors[-1], spec.names[:-1], tensors[:-1])
 
+
+def _check_storage(spec: _OpSpec, tensors: Sequence) -> None:
+    """Alignment of the paged tensors, then ``out`` (last) against every input."""
+    for arg, t in zip(spec.args, tensors, strict=True):
+        if arg.layout == PAGED:
+            _check_aligned(arg.name, t)
+    inputs = [
+        (a.name, t) for a, t in zip(spec.args[:-1], tensors[:-1], strict=True) if t is not None
+    ]
+    _check_no_overlap(spec.names[-1], tensors[-1], *zip(*inputs, strict=True))
+
+
+def _check_scale_value(name: str, value: object) -> float:
+    v = float(value)
+    if not (math.isfinite(v) and v > 0.0):
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    return v
+
+
+# ----------------------------------------------------------------------------------------
+# select_paged_tokens
+# ----------------------------------------------------------------------------------------
 
 _SELECT = _OpSpec(
-    names=(
-        "q",
-        "compressed_key_cache",
-        "page_table",
-        "token_to_req",
-        "query_positions",
-        "sequence_lengths",
-        "out",
+    args=(
+        _Arg("q", SELECT_DTYPES, shape=("R", INDEX_HEADS, INDEX_DIM)),
+        _Arg("compressed_key_cache", like="q", layout=PAGED, shape=("P", "C", 1, INDEX_DIM)),
+        _Arg("page_table", (torch.int32,), layout=ROWS, shape=("B", "M")),
+        _Arg("token_to_req", (torch.int32,), shape=("R",)),
+        _Arg("query_positions", (torch.int64,), shape=("R",)),
+        _Arg("sequence_lengths", (torch.int32,), shape=("B",)),
+        _Arg("out", (torch.int32,), layout=ROWS, shape=("R", WIDTH)),
     ),
-    dtypes=(
-        torch.float16,
-        torch.float16,
-        torch.int32,
-        torch.int32,
-        torch.int64,
-        torch.int32,
-        torch.int32,
-    ),
-    shapes=(
-        ("R", INDEX_HEADS, INDEX_DIM),
-        ("P", CK_PAGE, 1, INDEX_DIM),
-        ("B", "M"),
-        ("R",),
-        ("R",),
-        ("B",),
-        ("R", WIDTH),
-    ),
-    sizes={"R": (0, 0), "P": (1, 0), "B": (2, 0), "M": (2, 1)},
+    sizes={"R": (0, 0), "P": (1, 0), "C": (1, 1), "B": (2, 0), "M": (2, 1)},
 )
 
 
@@ -404,49 +415,49 @@ def validate_select_args(
 ) -> None:
     """Refuse (TypeError/ValueError) any call of ``select_paged_tokens`` outside the contract.
 
-    ``check_storage=False`` skips the checks that need real storage (storage offsets, shared
-    storage, ``out`` overlap), which ``torch.compile`` cannot trace; it is used only while
-    tracing, and the custom op repeats the storage checks when the compiled graph runs.
+    ``check_storage=False`` skips the checks that need real storage (data pointers, ``out``
+    overlap), which ``torch.compile`` cannot trace; it is used only while tracing, and the
+    custom op repeats the storage checks when the compiled graph runs.
     """
-    tensors = (
-        q,
-        compressed_key_cache,
-        page_table,
-        token_to_req,
-        query_positions,
-        sequence_lengths,
-        out,
+    tensors = (q, compressed_key_cache, page_table, token_to_req, query_positions,
+               sequence_lengths, out)  # fmt: skip
+    _check_tensors(
+        _SELECT, tensors, (("token_topk", token_topk), ("compress_ratio", compress_ratio))
     )
-    ints = (
-        ("token_topk", token_topk, TOKEN_TOPK),
-        ("compress_ratio", compress_ratio, COMPRESS_RATIO),
-    )
-    _validate(_SELECT, tensors, ints, check_storage)
+    if compressed_key_cache.shape[1] < 1:
+        raise ValueError(
+            "compressed_key_cache must hold C >= 1 keys per page, got shape "
+            f"{tuple(compressed_key_cache.shape)}"
+        )
+    if out.shape[0] > 1 and out.stride(0) < WIDTH:
+        raise ValueError(
+            f"out must have row stride >= {WIDTH} (rows must not overlap), got strides "
+            f"{tuple(out.stride())}"
+        )
+    _check_int_value("token_topk", token_topk, TOKEN_TOPK)
+    _check_int_value("compress_ratio", compress_ratio, COMPRESS_RATIO)
+    if check_storage:
+        _check_storage(_SELECT, tensors)
 
+
+# ----------------------------------------------------------------------------------------
+# sparse_paged_attention
+# ----------------------------------------------------------------------------------------
 
 _ATTENTION = _OpSpec(
-    names=("q", "k_cache", "v_cache", "logical_indices", "page_table", "token_to_req", "out"),
-    dtypes=(
-        torch.float16,
-        torch.float16,
-        torch.float16,
-        torch.int32,
-        torch.int32,
-        torch.int32,
-        torch.float16,
+    args=(
+        _Arg("q", ATTENTION_DTYPES, shape=("R", ATTN_HEADS, HEAD_DIM)),
+        _Arg("k_cache", (FP8,), like="q", layout=PAGED, shape=("P", "page_size", 1, HEAD_DIM)),
+        _Arg("v_cache", like="k_cache", layout=PAGED, shape=("P", "page_size", 1, HEAD_DIM)),
+        _Arg("logical_indices", (torch.int32,), layout=ROWS, shape=("R", WIDTH)),
+        _Arg("page_table", (torch.int32,), layout=ROWS, shape=("B", "M")),
+        _Arg("token_to_req", (torch.int32,), shape=("R",)),
+        _Arg("gate", like="q", shape=("R", ATTN_HEADS, HEAD_DIM), optional=True),
+        _Arg("out", like="q", shape=("R", ATTN_HEADS, HEAD_DIM)),
     ),
-    shapes=(
-        ("R", ATTN_HEADS, HEAD_DIM),
-        ("P", KV_PAGE, 1, HEAD_DIM),
-        ("P", KV_PAGE, 1, HEAD_DIM),
-        ("R", WIDTH),
-        ("B", "M"),
-        ("R",),
-        ("R", ATTN_HEADS, HEAD_DIM),
-    ),
-    sizes={"R": (0, 0), "P": (1, 0), "B": (4, 0), "M": (4, 1)},
-    packed=(1, 2),
+    sizes={"R": (0, 0), "P": (1, 0), "page_size": (1, 1), "B": (4, 0), "M": (4, 1)},
 )
+ATTENTION_SCALES = ("softmax_scale", "k_scale", "v_scale")  # float, int or None each
 
 
 def validate_attention_args(
@@ -460,15 +471,43 @@ def validate_attention_args(
     out: torch.Tensor,
     softmax_scale: float | None = None,
     *,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    gate: torch.Tensor | None = None,
     check_storage: bool = True,
-) -> float:
+) -> tuple[float, float, float]:
     """Refuse (TypeError/ValueError) any call of ``sparse_paged_attention`` outside the
-    contract; return the resolved softmax scale. ``check_storage`` as in validate_select_args
-    (it also covers the same-storage half of the exact-packed check)."""
-    tensors = (q, k_cache, v_cache, logical_indices, page_table, token_to_req, out)
-    _check_scale_type(softmax_scale)
-    _validate(_ATTENTION, tensors, (("page_size", page_size, KV_PAGE),), check_storage)
-    return resolve_softmax_scale(softmax_scale)
+    contract; return the resolved (softmax_scale, k_scale, v_scale) (1.0 for the K/V scales of
+    a cache that is not float8). ``check_storage`` as in validate_select_args."""
+    for name, value in zip(ATTENTION_SCALES, (softmax_scale, k_scale, v_scale), strict=True):
+        _check_scale_type(name, value)
+    tensors = (q, k_cache, v_cache, logical_indices, page_table, token_to_req, gate, out)
+    _check_tensors(_ATTENTION, tensors, (("page_size", page_size),))
+    if page_size <= 0 or page_size % PAGE_MULTIPLE:
+        raise ValueError(
+            f"page_size must be a positive multiple of {PAGE_MULTIPLE}, got {page_size}"
+        )
+    if page_size != k_cache.shape[1]:
+        raise ValueError(
+            f"page_size must be k_cache.shape[1] = {k_cache.shape[1]}, got {page_size}"
+        )
+    scale = resolve_softmax_scale(softmax_scale)
+    kv_scales = []
+    for name, value, cache in (("k_scale", k_scale, "k_cache"), ("v_scale", v_scale, "v_cache")):
+        if k_cache.dtype == FP8:
+            if value is None:
+                raise ValueError(f"{name} must be a float > 0 when {cache} is {FP8}, got None")
+            kv_scales.append(_check_scale_value(name, value))
+        else:
+            if value is not None:
+                raise ValueError(
+                    f"{name} must be None when {cache} is {k_cache.dtype} (only {FP8} caches "
+                    f"are scaled), got {value!r}"
+                )
+            kv_scales.append(1.0)
+    if check_storage:
+        _check_storage(_ATTENTION, tensors)
+    return scale, kv_scales[0], kv_scales[1]
 
 
 # ----------------------------------------------------------------------------------------
@@ -480,32 +519,14 @@ def validate_attention_args(
 MEAN_SCALE = 0.25  # 1 / COMPRESS_RATIO, exact in float32
 
 _UPDATE = _OpSpec(
-    names=(
-        "key",
-        "value",
-        "slot_mapping",
-        "compressed_slot_mapping",
-        "index_wk",
-        "kv_cache",
-        "compressed_key_cache",
-    ),
-    dtypes=(
-        torch.float16,
-        torch.float16,
-        torch.int64,
-        torch.int64,
-        torch.float32,
-        torch.float16,
-        torch.float16,
-    ),
-    shapes=(
-        ("T", HEAD_DIM),
-        ("T", HEAD_DIM),
-        ("T",),
-        ("T",),
-        (INDEX_DIM, HEAD_DIM),
-        ("P", KV_PAGE, PACKED_TOKEN_STRIDE),
-        ("Q", CK_PAGE, 1, INDEX_DIM),
+    args=(
+        _Arg("key", (torch.float16,), shape=("T", HEAD_DIM)),
+        _Arg("value", (torch.float16,), shape=("T", HEAD_DIM)),
+        _Arg("slot_mapping", (torch.int64,), shape=("T",)),
+        _Arg("compressed_slot_mapping", (torch.int64,), shape=("T",)),
+        _Arg("index_wk", (torch.float32,), shape=(INDEX_DIM, HEAD_DIM)),
+        _Arg("kv_cache", (torch.float16,), shape=("P", KV_PAGE, PACKED_TOKEN_STRIDE)),
+        _Arg("compressed_key_cache", (torch.float16,), shape=("Q", CK_PAGE, 1, INDEX_DIM)),
     ),
     sizes={"T": (0, 0), "P": (5, 0), "Q": (6, 0)},
 )
@@ -538,8 +559,7 @@ def validate_update_args(
         kv_cache,
         compressed_key_cache,
     )
-    if not _fast_ok(_UPDATE, tensors, ()):
-        _full_check(_UPDATE, tensors, ())
+    _check_tensors(_UPDATE, tensors)
     if check_storage:
         inputs, input_names = tensors[:5], _UPDATE.names[:5]
         _check_no_overlap("kv_cache", kv_cache, input_names, inputs)

@@ -47,11 +47,13 @@ SCHEMAS: dict[str, str] = {
         "Tensor query_positions, Tensor sequence_lengths, int token_topk, int compress_ratio, "
         "Tensor(a!) out) -> ()"
     ),
-    # NOTES: takes the exact-packed [P, 512, 512] buffer, not the k_cache/v_cache views of the
-    # public function: see contract.packed_kv_buffer for why.
+    # NOTES: k_cache and v_cache are two arguments (contract v2: one storage or two, any
+    # strides); the K/V scales and the gate are keyword-only, so the seed's positional ABI
+    # holds.
     "sparse_paged_attention": (
-        "(Tensor q, Tensor kv, Tensor logical_indices, Tensor page_table, Tensor token_to_req, "
-        "int page_size, Tensor(a!) out, float? softmax_scale=None) -> ()"
+        "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor logical_indices, Tensor page_table, "
+        "Tensor token_to_req, int page_size, Tensor(a!) out, float? softmax_scale=None, *, "
+        "float? k_scale=None, float? v_scale=None, Tensor? gate=None) -> ()"
     ),
     # NOTES: two outputs (the two caches); kv_cache is the exact-packed [P, 512, 512] buffer.
     "update_caches": (
@@ -61,27 +63,33 @@ SCHEMAS: dict[str, str] = {
 }
 NAMESPACE = "qsa"
 CHECK_NAMESPACE = "qsa_check"
-# The public function takes the two views of the exact-packed buffer where the schema has one.
-PUBLIC_NAMES = {"kv": ("k_cache", "v_cache")}
 
 
 def schema_arguments(op: str) -> list[tuple[str, str]]:
-    """``(type, name)`` of each argument of ``SCHEMAS[op]``, in order."""
+    """``(type, name)`` of each argument of ``SCHEMAS[op]``, in order (``*`` omitted)."""
     inner = SCHEMAS[op][1 : SCHEMAS[op].index(") ->")]
     pairs = []
     for item in inner.split(", "):
+        if item == "*":
+            continue
         declaration = item.split("=")[0].strip()
         type_, name = declaration.rsplit(" ", 1)
         pairs.append((type_, name))
     return pairs
 
 
+def keyword_only(op: str) -> tuple[str, ...]:
+    """Names of the schema's keyword-only arguments (after ``*``)."""
+    inner = SCHEMAS[op][1 : SCHEMAS[op].index(") ->")]
+    if ", *, " not in inner:
+        return ()
+    tail = inner.split(", *, ", 1)[1].split(", ")
+    return tuple(item.split("=")[0].strip().rsplit(" ", 1)[1] for item in tail)
+
+
 def public_arguments(op: str) -> tuple[str, ...]:
-    """Names of the public function's positional arguments, derived from the schema."""
-    names: list[str] = []
-    for _, name in schema_arguments(op):
-        names.extend(PUBLIC_NAMES.get(name, (name,)))
-    return tuple(names)
+    """Names of the public function's arguments (the schema's), keyword-only ones last."""
+    return tuple(name for _, name in schema_arguments(op))
 
 
 def requested_backend() -> str:
@@ -108,15 +116,14 @@ def check_select(q, ck, page_table, token_to_req, positions, lengths, topk, rati
     )  # fmt: skip
 
 
-def check_attention(q, kv, indices, page_table, token_to_req, page_size, out, scale=None,
-                    check_storage=True) -> float:  # fmt: skip
-    """contract.py's checks of the operator's arguments, the exact-packed buffer first; the
-    resolved softmax scale."""
-    contract.validate_packed_kv(kv)
-    k, v = contract.kv_views(kv)
+def check_attention(q, k_cache, v_cache, indices, page_table, token_to_req, page_size, out,
+                    scale=None, *, k_scale=None, v_scale=None, gate=None,
+                    check_storage=True) -> tuple[float, float, float]:  # fmt: skip
+    """contract.py's checks of the operator's arguments; the resolved (softmax_scale, k_scale,
+    v_scale)."""
     return contract.validate_attention_args(
-        q, k, v, indices, page_table, token_to_req, page_size, out, scale,
-        check_storage=check_storage,
+        q, k_cache, v_cache, indices, page_table, token_to_req, page_size, out, scale,
+        k_scale=k_scale, v_scale=v_scale, gate=gate, check_storage=check_storage,
     )  # fmt: skip
 
 
@@ -143,18 +150,22 @@ def _select_reference(q, ck, page_table, token_to_req, positions, lengths, topk,
     reference.select_paged_tokens_ref(q, ck, page_table, token_to_req, positions, lengths, out)
 
 
-def _attention_reference(q, kv, indices, page_table, token_to_req, page_size, out, scale=None):
-    scale = check_attention(q, kv, indices, page_table, token_to_req, page_size, out, scale)
-    k, v = contract.kv_views(kv)
-    reference.sparse_paged_attention_ref(q, k, v, indices, page_table, token_to_req, out, scale)
+def _attention_reference(q, k_cache, v_cache, indices, page_table, token_to_req, page_size,
+                         out, scale=None, *, k_scale=None, v_scale=None, gate=None):  # fmt: skip
+    scales = check_attention(q, k_cache, v_cache, indices, page_table, token_to_req, page_size,
+                             out, scale, k_scale=k_scale, v_scale=v_scale, gate=gate)  # fmt: skip
+    reference.sparse_paged_attention_ref(
+        q, k_cache, v_cache, indices, page_table, token_to_req, out, scales[0],
+        k_scale=scales[1], v_scale=scales[2], gate=gate,
+    )  # fmt: skip
 
 
 def _select_fake(*args) -> None:
     check_select(*args, check_storage=False)
 
 
-def _attention_fake(*args) -> None:
-    check_attention(*args, check_storage=False)
+def _attention_fake(*args, **kwargs) -> None:
+    check_attention(*args, **kwargs, check_storage=False)
 
 
 REFERENCE_KERNELS = {
@@ -183,8 +194,12 @@ VALIDATORS = {  # the public functions' argument lists
 # refusals raised in C++
 # ----------------------------------------------------------------------------------------
 
-_REFUSAL = re.compile(r"\[qsa:(TypeError|ValueError)\] ([^\n]*)")
-_ERROR_CLASSES = {"TypeError": TypeError, "ValueError": ValueError}
+_REFUSAL = re.compile(r"\[qsa:(TypeError|ValueError|NotImplementedError)\] ([^\n]*)")
+_ERROR_CLASSES = {
+    "TypeError": TypeError,
+    "ValueError": ValueError,
+    "NotImplementedError": NotImplementedError,
+}
 
 
 def refusal_of(exc: BaseException) -> tuple[type[Exception], str] | None:
@@ -193,14 +208,15 @@ def refusal_of(exc: BaseException) -> tuple[type[Exception], str] | None:
     return (_ERROR_CLASSES[match[1]], match[2]) if match else None
 
 
-def raise_refusal(exc: BaseException, op: str, args: tuple) -> None:
+def raise_refusal(exc: BaseException, op: str, args: tuple, kwargs: dict | None = None) -> None:
     """Re-raise an error of a ``torch.ops.qsa`` call as the contract words it: a C++ refusal as
-    its TypeError/ValueError; an argument the schema itself rejects (say, a list for a tensor)
-    through contract.py's ordered checks; anything else unchanged."""
+    its TypeError/ValueError (or NotImplementedError: valid, but not taken by the compiled
+    kernels yet); an argument the schema itself rejects (say, a list for a tensor) through
+    contract.py's ordered checks; anything else unchanged."""
     refusal = refusal_of(exc)
     if refusal is not None:
         raise refusal[0](refusal[1]) from None
-    VALIDATORS[op](*args)  # raises, as the contract words it, when an argument is outside it
+    VALIDATORS[op](*args, **(kwargs or {}))  # raises, as the contract words it, when outside it
     raise exc
 
 
@@ -256,7 +272,7 @@ def _register() -> tuple[str, str, str, dict]:
 
 
 def _refuse_cpu(name: str):
-    def kernel(q, *args):
+    def kernel(q, *args, **kwargs):
         raise RuntimeError(f"{ENV_VAR}=cuda needs CUDA tensors, got tensors on {q.device}")
 
     kernel.__name__ = f"{name}_cpu_refused"
@@ -264,7 +280,7 @@ def _refuse_cpu(name: str):
 
 
 def _refuse_cuda(name: str, why: str):
-    def kernel(*args):
+    def kernel(*args, **kwargs):
         raise RuntimeError(f"{ENV_VAR}=cuda but the CUDA kernels cannot run: {why}")
 
     kernel.__name__ = f"{name}_cuda_refused"
@@ -273,9 +289,9 @@ def _refuse_cuda(name: str, why: str):
 
 def _warn_once(kernel):
     @functools.wraps(kernel)
-    def wrapper(*args):
+    def wrapper(*args, **kwargs):
         _fallback_warning()
-        kernel(*args)
+        kernel(*args, **kwargs)
 
     return wrapper
 

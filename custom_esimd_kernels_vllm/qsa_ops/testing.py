@@ -7,6 +7,10 @@ float64 checkers. Used by the CPU and GPU test suites, the benchmark and the vLL
   duplicates, bad values) used by property tests and the benchmark.
 * ``scale_select_case(...)`` / ``scale_attention_case(...)``: long contexts (8K..128K tokens)
   with modest memory.
+* ``Layout`` / ``LAYOUTS``: contract v2's dtypes and layouts (bfloat16, float8 K/V with scales
+  and an fp8 indexer, vLLM's page sizes with page strides spanning other layers, separate K
+  and V, strided index and page-table rows, the output gate); every builder takes
+  ``layout=`` (default: the seed's float16 exact-packed 512-token pages).
 * ``check_selection(case, out, exact)`` / ``check_attention(case, out)``: float64 checkers
   written with plain loops over rows, independent of ``qsa_ops.reference``. They raise
   AssertionError naming the case, the row and the column.
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +32,7 @@ from .contract import (
     BLOCK_TOPK,
     CK_PAGE,
     COMPRESS_RATIO,
+    FP8,
     HEAD_DIM,
     INDEX_DIM,
     INDEX_HEADS,
@@ -37,7 +42,6 @@ from .contract import (
     TOKEN_TOPK,
     V_OFFSET,
     WIDTH,
-    packed_kv_buffer,
     resolve_softmax_scale,
 )
 
@@ -49,6 +53,108 @@ SELECTION_TOLERANCE = 1e-4
 
 
 # ----------------------------------------------------------------------------------------
+# layouts (contract v2)
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a case's tensors are typed and laid out. The default is the seed's case."""
+
+    dtype: torch.dtype = torch.float16  # attention q / out / gate
+    kv_dtype: torch.dtype | None = None  # attention caches (None: dtype; FP8: scaled)
+    index_dtype: torch.dtype | None = None  # selection q and keys (None: dtype)
+    page_size: int = KV_PAGE  # attention: tokens per page
+    keys_per_page: int = CK_PAGE  # selection: compressed keys per page (C)
+    kv: str = "packed"  # "packed": K then V per token in one storage; "separate"
+    layers: int = 1  # pages interleaved with other layers' pages: page stride spans them
+    index_stride: int = WIDTH  # row stride of logical_indices / selection out (2052: vLLM)
+    table_pad: int = 0  # extra columns per page_table row (strided rows)
+    gate: bool = False  # attention's output gate
+    k_scale: float = 0.5  # float8 caches only
+    v_scale: float = 2.0
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
+
+    @property
+    def select_dtype(self) -> torch.dtype:
+        return self.index_dtype or self.dtype
+
+    @property
+    def scales(self) -> tuple[float | None, float | None]:
+        return (self.k_scale, self.v_scale) if self.cache_dtype == FP8 else (None, None)
+
+
+SEED = Layout()
+# NOTES: vLLM sizes QSA pages itself (hybrid alignment: 784, 800, 1568, 1600 in its tests) in
+# block-outermost layouts whose page stride spans every layer's page; its index buffer is
+# [T, 2052] (a count column after the 2051 entries), viewed as [T, 2051].
+LAYOUTS: dict[str, Layout] = {
+    "seed": SEED,
+    "bf16": Layout(dtype=torch.bfloat16),
+    "bf16_gate": Layout(dtype=torch.bfloat16, gate=True),
+    "fp16_gate_page16": Layout(page_size=16, keys_per_page=4, gate=True, table_pad=1),
+    "vllm_bf16_784": Layout(
+        dtype=torch.bfloat16, page_size=784, keys_per_page=196, layers=4, index_stride=2052,
+        table_pad=3, gate=True,
+    ),
+    "vllm_bf16_1568_separate": Layout(
+        dtype=torch.bfloat16, page_size=1568, keys_per_page=392, kv="separate", layers=2,
+        index_stride=2052,
+    ),
+    "fp8_kv": Layout(dtype=torch.bfloat16, kv_dtype=FP8, index_dtype=FP8),
+    "vllm_fp8_784": Layout(
+        dtype=torch.bfloat16, kv_dtype=FP8, index_dtype=FP8, page_size=784, keys_per_page=196,
+        layers=4, index_stride=2052, table_pad=3, gate=True,
+    ),
+    "vllm_fp8_800_separate": Layout(
+        dtype=torch.bfloat16, kv_dtype=FP8, page_size=800, keys_per_page=200, kv="separate",
+        layers=3, gate=True,
+    ),
+}  # fmt: skip
+
+
+def _rows_view(
+    rows: int, width: int, stride: int, dtype, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base [rows, stride], view [rows, width]): a row-strided view, the base poisoned."""
+    base = poison_(torch.empty(rows, max(stride, width), dtype=dtype, device=device))
+    return base, base[:, :width]
+
+
+def paged_cache(values: torch.Tensor, layers: int, device, lead: int = 0):
+    """(owner, cache): ``values`` [P, S, 1, D] placed as layer ``layers - 1`` of a
+    block-outermost [P, layers, S, D] buffer (other layers random), after ``lead`` spare
+    elements; the cache view has page stride layers * S * D."""
+    pages, slots, _, dim = values.shape
+    size = lead + pages * layers * slots * dim
+    if layers > 1:  # the other layers' pages hold data a wrong stride would read
+        owner = torch.randn(size).to(values.dtype).to(device)
+    else:
+        owner = torch.zeros(size, dtype=values.dtype, device=device)
+    block = owner[lead:].view(pages, layers, slots, dim)
+    cache = block[:, layers - 1].unsqueeze(2)
+    cache.copy_(values.to(device))
+    return owner, cache
+
+
+def layout_kv(values: torch.Tensor, layout: Layout, device, lead: int = 0):
+    """(owners, k_cache, v_cache) for K/V ``values`` [P, S, 512] (per token 256 K then 256 V)
+    in ``layout``: packed in one storage or separate, page stride spanning ``layers``."""
+    values = values.to(layout.cache_dtype)
+    pages, slots = values.shape[:2]
+    if layout.kv == "packed":
+        owner, both = paged_cache(values.unsqueeze(2), layout.layers, device, lead)
+        both = both[:, :, 0]
+        return (owner,), both[:, :, :HEAD_DIM].unsqueeze(2), both[:, :, HEAD_DIM:].unsqueeze(2)
+    k_owner, k_cache = paged_cache(values[:, :, None, :HEAD_DIM], layout.layers, device, lead)
+    v_owner, v_cache = paged_cache(values[:, :, None, HEAD_DIM:], layout.layers, device, lead)
+    return (k_owner, v_owner), k_cache, v_cache
+
+
+# ----------------------------------------------------------------------------------------
 # cases
 # ----------------------------------------------------------------------------------------
 
@@ -56,14 +162,17 @@ SELECTION_TOLERANCE = 1e-4
 @dataclass
 class SelectCase:
     name: str
-    q: torch.Tensor  # [R, 4, 128] float16
-    compressed_key_cache: torch.Tensor  # [P, 128, 1, 128] float16
-    page_table: torch.Tensor  # [B, M] int32
+    q: torch.Tensor  # [R, 4, 128] float16 / bfloat16 / float8_e4m3fn
+    compressed_key_cache: torch.Tensor  # [P, C, 1, 128] q's dtype, last stride 1
+    page_table: torch.Tensor  # [B, M] int32, last stride 1
     token_to_req: torch.Tensor  # [R] int32
     query_positions: torch.Tensor  # [R] int64
     sequence_lengths: torch.Tensor  # [B] int32
-    out: torch.Tensor  # [R, 2051] int32 (poisoned)
+    out: torch.Tensor  # [R, 2051] int32 (poisoned), a view of out_base
     integer: bool = False  # small-integer data: the output is exactly determined
+    layout: Layout = SEED
+    out_base: torch.Tensor | None = None  # [R, index_stride] owner of out (poisoned)
+    storage: torch.Tensor | None = None  # owner of compressed_key_cache
 
     def args(self) -> tuple:
         """Positional arguments of ``qsa_ops.select_paged_tokens``."""
@@ -82,38 +191,54 @@ class SelectCase:
         )
 
     def inputs(self) -> dict[str, torch.Tensor]:
-        return {
-            f.name: getattr(self, f.name)
-            for f in fields(self)
-            if f.name not in ("name", "out", "integer")
-        }
+        names = ("q", "page_table", "token_to_req", "query_positions", "sequence_lengths")
+        tensors = {n: getattr(self, n) for n in names}
+        tensors["compressed_key_cache"] = (
+            self.compressed_key_cache if self.storage is None else self.storage
+        )
+        return tensors
 
     def new_out(self) -> torch.Tensor:
-        return poison_(torch.empty_like(self.out))
+        """A fresh poisoned ``out`` in the case's layout (sets ``out_base``)."""
+        rows = self.out.shape[0]
+        self.out_base, out = _rows_view(
+            rows, WIDTH, self.layout.index_stride, torch.int32, self.out.device
+        )
+        return out
 
     def __repr__(self) -> str:
         b, m = self.page_table.shape
         return (
             f"SelectCase({self.name}: R={self.q.shape[0]}, B={b}, M={m}, "
-            f"P={self.compressed_key_cache.shape[0]}, integer={self.integer})"
+            f"P={self.compressed_key_cache.shape[0]}, C={self.compressed_key_cache.shape[1]}, "
+            f"{self.q.dtype}, integer={self.integer})"
         )
 
 
 @dataclass
 class AttentionCase:
     name: str
-    q: torch.Tensor  # [R, 3, 256] float16
-    kv: torch.Tensor  # the exact-packed buffer k_cache/v_cache view (storage owner)
-    k_cache: torch.Tensor  # [P, 512, 1, 256] float16, strides (262144, 512, 256, 1)
-    v_cache: torch.Tensor  # same, storage offset + 256
-    logical_indices: torch.Tensor  # [R, 2051] int32
-    page_table: torch.Tensor  # [B, M] int32
+    q: torch.Tensor  # [R, 3, 256] float16 / bfloat16
+    kv: torch.Tensor  # owner of k_cache's storage (and of v_cache's when packed)
+    k_cache: torch.Tensor  # [P, page_size, 1, 256] q's dtype or float8_e4m3fn
+    v_cache: torch.Tensor  # same shape and dtype, in kv or in v_storage
+    logical_indices: torch.Tensor  # [R, 2051] int32 (rows may be strided)
+    page_table: torch.Tensor  # [B, M] int32 (rows may be strided)
     token_to_req: torch.Tensor  # [R] int32
-    out: torch.Tensor  # [R, 3, 256] float16 (poisoned)
+    out: torch.Tensor  # [R, 3, 256] q's dtype (poisoned)
     softmax_scale: float | None = None
+    k_scale: float | None = None
+    v_scale: float | None = None
+    gate: torch.Tensor | None = None  # [R, 3, 256] q's dtype
+    v_storage: torch.Tensor | None = None  # owner of v_cache when K and V are separate
+    layout: Layout = SEED
+
+    @property
+    def page_size(self) -> int:
+        return self.k_cache.shape[1]
 
     def args(self) -> tuple:
-        """Positional arguments of ``qsa_ops.sparse_paged_attention``."""
+        """Positional arguments of ``qsa_ops.sparse_paged_attention`` (and of its operator)."""
         return (
             self.q,
             self.k_cache,
@@ -121,27 +246,17 @@ class AttentionCase:
             self.logical_indices,
             self.page_table,
             self.token_to_req,
-            KV_PAGE,
+            self.page_size,
             self.out,
             self.softmax_scale,
         )
 
-    def op_args(self) -> tuple:
-        """Positional arguments of the custom op ``torch.ops.qsa.sparse_paged_attention``,
-        which takes the packed [P, 512, 512] buffer instead of the two views."""
-        return (
-            self.q,
-            packed_kv_buffer(self.k_cache),
-            self.logical_indices,
-            self.page_table,
-            self.token_to_req,
-            KV_PAGE,
-            self.out,
-            self.softmax_scale,
-        )
+    def kwargs(self) -> dict:
+        """Keyword arguments: the float8 scales and the gate."""
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale, "gate": self.gate}
 
     def ref_args(self) -> tuple:
-        """Positional arguments of ``reference.sparse_paged_attention_ref``."""
+        """Positional arguments of ``reference.sparse_paged_attention_ref`` (then kwargs())."""
         return (
             self.q,
             self.k_cache,
@@ -154,13 +269,18 @@ class AttentionCase:
         )
 
     def inputs(self) -> dict[str, torch.Tensor]:
-        return {
+        tensors = {
             "q": self.q,
             "kv": self.kv,
             "logical_indices": self.logical_indices,
             "page_table": self.page_table,
             "token_to_req": self.token_to_req,
         }
+        if self.v_storage is not None:
+            tensors["v_storage"] = self.v_storage
+        if self.gate is not None:
+            tensors["gate"] = self.gate
+        return tensors
 
     def new_out(self) -> torch.Tensor:
         return poison_(torch.empty_like(self.out))
@@ -169,7 +289,8 @@ class AttentionCase:
         b, m = self.page_table.shape
         return (
             f"AttentionCase({self.name}: R={self.q.shape[0]}, B={b}, M={m}, "
-            f"P={self.k_cache.shape[0]})"
+            f"P={self.k_cache.shape[0]}, page={self.page_size}, {self.q.dtype}, "
+            f"kv {self.k_cache.dtype}{', gate' if self.gate is not None else ''})"
         )
 
 
@@ -230,19 +351,31 @@ def _table(page_table, device) -> torch.Tensor:
 
 
 def _select_case(
-    name, q, ck, page_table, token_to_req, positions, lengths, device, integer
+    name, q, ck, page_table, token_to_req, positions, lengths, device, integer, layout=SEED
 ) -> SelectCase:
     rows = q.shape[0]
+    dtype = layout.select_dtype
+    table = _table(page_table, device)
+    if layout.table_pad:  # strided rows: a wider buffer, the extra columns a valid page
+        wide = torch.zeros(table.shape[0], table.shape[1] + layout.table_pad, dtype=torch.int32)
+        wide = wide.to(device)
+        wide[:, : table.shape[1]] = table
+        table = wide[:, : table.shape[1]]
+    storage, cache = paged_cache(ck.to(dtype), layout.layers, device)
+    out_base, out = _rows_view(rows, WIDTH, layout.index_stride, torch.int32, device)
     return SelectCase(
         name=name,
-        q=q.to(device),
-        compressed_key_cache=ck.to(device),
-        page_table=_table(page_table, device),
+        q=q.to(dtype).to(device),
+        compressed_key_cache=cache,
+        page_table=table,
         token_to_req=_i32(token_to_req, device).reshape(rows),
         query_positions=torch.as_tensor(positions, dtype=torch.int64).reshape(rows).to(device),
         sequence_lengths=_i32(lengths, device).reshape(-1),
-        out=poison_(torch.empty(rows, WIDTH, dtype=torch.int32, device=device)),
+        out=out,
         integer=integer,
+        layout=layout,
+        out_base=out_base,
+        storage=storage,
     )
 
 
@@ -265,19 +398,35 @@ SELECT_CASES: tuple[str, ...] = (
 
 
 def make_select_case(
-    name: str, R: int, device="cpu", seed: int = 0, integer: bool = True
+    name: str,
+    R: int,
+    device="cpu",
+    seed: int = 0,
+    integer: bool = True,
+    layout: Layout = SEED,
 ) -> SelectCase:
-    """The seed case ``name`` with ``R`` rows; ``integer`` draws values in {-2..2} so the
-    output is exactly determined (use check_selection(exact=True))."""
+    """The seed case ``name`` with ``R`` rows in ``layout``; ``integer`` draws values in
+    {-2..2} so the output is exactly determined (use check_selection(exact=True)). The case's
+    token counts are the seed's; pages hold ``layout.keys_per_page`` blocks."""
     gen = _gen(seed)
+    C = layout.keys_per_page
     q = _values((R, INDEX_HEADS, INDEX_DIM), gen, integer)
 
     def one_request(n_per_row: Sequence[int], num_pages: int, pages: Sequence[int]):
         ns = [n_per_row[r % len(n_per_row)] for r in range(R)]
         length = [max(n_per_row)]  # the request's length, also with R = 0 rows
-        ck = _values((num_pages, CK_PAGE, 1, INDEX_DIM), gen, integer)
+        ck = _values((num_pages, C, 1, INDEX_DIM), gen, integer)
         return _select_case(
-            name, q, ck, [list(pages)], [0] * R, [n - 1 for n in ns], length, device, integer
+            name,
+            q,
+            ck,
+            [list(pages)],
+            [0] * R,
+            [n - 1 for n in ns],
+            length,
+            device,
+            integer,
+            layout,
         )
 
     if name == "empty":
@@ -296,18 +445,27 @@ def make_select_case(
         q = _values((R, INDEX_HEADS, INDEX_DIM), gen, True, -1, 1) * (
             torch.rand(R, INDEX_HEADS, INDEX_DIM, generator=gen) < 0.05
         )
-        ck = _values((6, CK_PAGE, 1, INDEX_DIM), gen, True, -1, 1) * (
-            torch.rand(6, CK_PAGE, 1, INDEX_DIM, generator=gen) < 0.05
+        ck = _values((6, C, 1, INDEX_DIM), gen, True, -1, 1) * (
+            torch.rand(6, C, 1, INDEX_DIM, generator=gen) < 0.05
         )
         ns = [4 * 600 + 1, 4 * 513]
         length = max(ns)  # the request's length, also with R = 0 rows
         ns = [ns[r % 2] for r in range(R)]
         return _select_case(
-            name, q, ck, [[5, 0, 3, 4, 1]], [0] * R, [n - 1 for n in ns], [length], device, True
+            name,
+            q,
+            ck,
+            [[5, 0, 3, 4, 1]],
+            [0] * R,
+            [n - 1 for n in ns],
+            [length],
+            device,
+            True,
+            layout,
         )
     if name == "all_zero_scores":
         q = -_values((R, INDEX_HEADS, INDEX_DIM), gen, True, 1, 2)
-        ck = _values((3, CK_PAGE, 1, INDEX_DIM), gen, True, 1, 2)
+        ck = _values((3, C, 1, INDEX_DIM), gen, True, 1, 2)
         return _select_case(
             name,
             q,
@@ -318,16 +476,19 @@ def make_select_case(
             [4 * 700 + 3],
             device,
             True,
+            layout,
         )
     if name == "p8192_saturated":
         num_pages = 8192
         pages = torch.randperm(num_pages, generator=gen)[:18].tolist()
-        ck = torch.zeros(num_pages, CK_PAGE, 1, INDEX_DIM, dtype=torch.float16)
-        ck[pages] = _values((18, CK_PAGE, 1, INDEX_DIM), gen, integer)  # only these are read
+        ck = torch.zeros(num_pages, C, 1, INDEX_DIM, dtype=torch.float16)
+        ck[pages] = _values((18, C, 1, INDEX_DIM), gen, integer)  # only these are read
         n = 2303 * COMPRESS_RATIO + 3
-        return _select_case(name, q, ck, [pages], [0] * R, [n - 1] * R, [n], device, integer)
+        return _select_case(
+            name, q, ck, [pages], [0] * R, [n - 1] * R, [n], device, integer, layout
+        )
     if name == "multi_request":
-        ck = _values((12, CK_PAGE, 1, INDEX_DIM), gen, integer)
+        ck = _values((12, C, 1, INDEX_DIM), gen, integer)
         page_table = [[3, 7, 1, 10, 0], [5, -1, 11, 2, 4], [6, 8, 9, -1, -1]]
         lengths = [519, 40, 2000]
         rows_req = [2, 0, 1, 2, 0, 1]
@@ -342,6 +503,7 @@ def make_select_case(
             lengths,
             device,
             integer,
+            layout,
         )
     raise KeyError(f"unknown selection case {name!r}; known: {', '.join(SELECT_CASES)}")
 
@@ -361,6 +523,7 @@ def random_select_case(
     query_positions: Sequence[int] | None = None,
     sequence_lengths: Sequence[int] | None = None,
     name: str = "random",
+    layout: Layout = SEED,
 ) -> SelectCase:
     """Random selection case. Unless given, the page table mixes valid pages, duplicates
     and (``bad_values``) holes -1 / P / large; lengths and positions are random (negative,
@@ -371,7 +534,7 @@ def random_select_case(
         return torch.randint(lo, hi + 1, shape, generator=gen)
 
     q = _values((R, INDEX_HEADS, INDEX_DIM), gen, integer)
-    ck = _values((P, CK_PAGE, 1, INDEX_DIM), gen, integer)
+    ck = _values((P, layout.keys_per_page, 1, INDEX_DIM), gen, integer)
     if page_table is None:
         pt = randint(0, max(P - 1, 0), (B, M)) if P > 0 else torch.full((B, M), -1)
         if bad_values and B * M > 0:
@@ -379,7 +542,7 @@ def random_select_case(
             pt = torch.where(torch.rand(B, M, generator=gen) < 0.15, bad, pt)
         page_table = pt.tolist()
     if sequence_lengths is None:
-        cap = M * KV_PAGE + 8
+        cap = M * COMPRESS_RATIO * layout.keys_per_page + 8
         sequence_lengths = randint(0, cap, (B,)).tolist()
         if bad_values and B > 0:
             sequence_lengths[0] = -3 if B > 1 else sequence_lengths[0]
@@ -389,7 +552,7 @@ def random_select_case(
             ttr = torch.where(torch.rand(R, generator=gen) < 0.1, torch.tensor(B), ttr)
         token_to_req = ttr.tolist()
     if query_positions is None:
-        top = M * KV_PAGE + 16
+        top = M * COMPRESS_RATIO * layout.keys_per_page + 16
         query_positions = randint(-3, top, (R,)).tolist()
     return _select_case(
         name,
@@ -401,20 +564,27 @@ def random_select_case(
         sequence_lengths,
         device,
         integer,
+        layout,
     )
 
 
 def scale_select_case(
-    context_tokens: int, R: int, device="cpu", seed: int = 0, requests: int = 1
+    context_tokens: int,
+    R: int,
+    device="cpu",
+    seed: int = 0,
+    requests: int = 1,
+    layout: Layout = SEED,
 ) -> SelectCase:
     """Decode-like rows over ``requests`` requests of ``context_tokens`` tokens each (pages
     shuffled); P = requests * ceil(context / 512) pages, so memory is 32 KiB per 512 tokens."""
     gen = _gen(seed)
-    pages_per_req = -(-context_tokens // KV_PAGE)
+    C = layout.keys_per_page
+    pages_per_req = -(-context_tokens // (COMPRESS_RATIO * C))
     num_pages = requests * pages_per_req
     perm = torch.randperm(num_pages, generator=gen).reshape(requests, pages_per_req)
     q = torch.randn(R, INDEX_HEADS, INDEX_DIM, generator=gen).to(torch.float16)
-    ck = torch.randn(num_pages, CK_PAGE, 1, INDEX_DIM, generator=gen).to(torch.float16)
+    ck = torch.randn(num_pages, C, 1, INDEX_DIM, generator=gen).to(torch.float16)
     req = [r % requests for r in range(R)]
     return _select_case(
         f"scale{context_tokens}",
@@ -426,6 +596,7 @@ def scale_select_case(
         [context_tokens] * requests,
         device,
         False,
+        layout,
     )
 
 
@@ -442,37 +613,77 @@ ATTENTION_CASES: tuple[str, ...] = (
 
 
 def _attention_case(
-    name, q, kv_values, indices, page_table, token_to_req, device, softmax_scale=None, lead=0
+    name,
+    q,
+    kv_values,
+    indices,
+    page_table,
+    token_to_req,
+    device,
+    softmax_scale=None,
+    lead=0,
+    layout: Layout = SEED,
+    gen: torch.Generator | None = None,
 ) -> AttentionCase:
     rows = q.shape[0]
-    num_pages = kv_values.shape[0]
-    buffer, k_cache, v_cache = packed_kv(num_pages, device, lead=lead)
-    buffer[lead:].copy_(kv_values.reshape(-1).to(device))
+    owners, k_cache, v_cache = layout_kv(kv_values, layout, device, lead)
+    table = _table(page_table, device)
+    if layout.table_pad:  # strided rows; the extra columns hold a valid page
+        wide = torch.zeros(table.shape[0], table.shape[1] + layout.table_pad, dtype=torch.int32)
+        wide = wide.to(device)
+        wide[:, : table.shape[1]] = table
+        table = wide[:, : table.shape[1]]
+    index_base = torch.zeros(rows, layout.index_stride, dtype=torch.int32, device=device)
+    index_base[:, :WIDTH] = _i32(indices, device).reshape(rows, WIDTH)  # extra columns: token 0
+    gate = None
+    if layout.gate:
+        gen = gen or _gen(0)
+        gate = (2 * torch.randn(rows, ATTN_HEADS, HEAD_DIM, generator=gen)).to(layout.dtype)
+    k_scale, v_scale = layout.scales
     return AttentionCase(
         name=name,
-        q=q.to(device),
-        kv=buffer,
+        q=q.to(layout.dtype).to(device),
+        kv=owners[0],
         k_cache=k_cache,
         v_cache=v_cache,
-        logical_indices=_i32(indices, device).reshape(rows, WIDTH),
-        page_table=_table(page_table, device),
+        logical_indices=index_base[:, :WIDTH],
+        page_table=table,
         token_to_req=_i32(token_to_req, device).reshape(rows),
-        out=poison_(torch.empty(rows, ATTN_HEADS, HEAD_DIM, dtype=torch.float16, device=device)),
+        out=poison_(torch.empty(rows, ATTN_HEADS, HEAD_DIM, dtype=layout.dtype, device=device)),
         softmax_scale=softmax_scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        gate=None if gate is None else gate.to(device),
+        v_storage=owners[1] if len(owners) > 1 else None,
+        layout=layout,
     )
 
 
-def _kv_values(num_pages: int, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(num_pages, KV_PAGE, PACKED_TOKEN_STRIDE, generator=gen).to(torch.float16)
+def _kv_values(num_pages: int, gen: torch.Generator, page_size: int = KV_PAGE) -> torch.Tensor:
+    return torch.randn(num_pages, page_size, PACKED_TOKEN_STRIDE, generator=gen).to(torch.float16)
 
 
-def make_attention_case(name: str, R: int, device="cpu", seed: int = 0) -> AttentionCase:
-    """The seed case ``name`` with ``R`` rows (random float16 data)."""
+def make_attention_case(
+    name: str, R: int, device="cpu", seed: int = 0, layout: Layout = SEED
+) -> AttentionCase:
+    """The seed case ``name`` with ``R`` rows (random data) in ``layout``; its token positions
+    follow ``layout.page_size`` (page boundaries stay page boundaries)."""
     gen = _gen(seed)
+    KV_PAGE = layout.page_size  # noqa: N806 (the seed's name for the page size)
     q = torch.randn(R, ATTN_HEADS, HEAD_DIM, generator=gen).to(torch.float16)
     if name == "empty":
         indices = torch.full((R, WIDTH), -1)
-        return _attention_case(name, q, _kv_values(2, gen), indices, [[1]], [0] * R, device)
+        return _attention_case(
+            name,
+            q,
+            _kv_values(2, gen, KV_PAGE),
+            indices,
+            [[1]],
+            [0] * R,
+            device,
+            layout=layout,
+            gen=gen,
+        )
     if name == "holes_dups_cross_page":
         num_pages, page_table = 5, [[4, 1, 3], [2, -1, 0]]
         context = 3 * KV_PAGE
@@ -487,18 +698,34 @@ def make_attention_case(name: str, R: int, device="cpu", seed: int = 0) -> Atten
         indices[:, 11] = 2**31 - 1
         reqs = [r % 2 for r in range(R)]  # request 1 has a -1 page-table entry (holes)
         return _attention_case(
-            name, q, _kv_values(num_pages, gen), indices, page_table, reqs, device
+            name,
+            q,
+            _kv_values(num_pages, gen, KV_PAGE),
+            indices,
+            page_table,
+            reqs,
+            device,
+            layout=layout,
+            gen=gen,
         )
     if name in ("valid_width_32", "full_width_2051"):
         valid = 32 if name == "valid_width_32" else WIDTH
-        num_pages = 8
+        num_pages = max(8, -(-WIDTH // KV_PAGE))  # small pages: enough for 2051 tokens
         context = num_pages * KV_PAGE
         indices = torch.full((R, WIDTH), -1)
         for r in range(R):
             indices[r, :valid] = torch.randperm(context, generator=gen)[:valid]
         page_table = [torch.randperm(num_pages, generator=gen).tolist()]
         return _attention_case(
-            name, q, _kv_values(num_pages, gen), indices, page_table, [0] * R, device
+            name,
+            q,
+            _kv_values(num_pages, gen, KV_PAGE),
+            indices,
+            page_table,
+            [0] * R,
+            device,
+            layout=layout,
+            gen=gen,
         )
     raise KeyError(f"unknown attention case {name!r}; known: {', '.join(ATTENTION_CASES)}")
 
@@ -518,6 +745,7 @@ def random_attention_case(
     page_table: Sequence[Sequence[int]] | None = None,
     token_to_req: Sequence[int] | None = None,
     name: str = "random",
+    layout: Layout = SEED,
 ) -> AttentionCase:
     """Random attention case: indices mix tokens of the request's pages (duplicates likely),
     holes -1 and (``bad_values``) other negatives and positions past the page table; the
@@ -535,7 +763,7 @@ def random_attention_case(
         if bad_values and R > 0:
             ttr = torch.where(torch.rand(R, generator=gen) < 0.1, torch.tensor(-1), ttr)
         token_to_req = ttr.tolist()
-    context = max(M, 1) * KV_PAGE
+    context = max(M, 1) * layout.page_size
     indices = torch.randint(0, context, (R, WIDTH), generator=gen)
     roll = torch.rand(R, WIDTH, generator=gen)
     indices = torch.where(roll >= valid_fraction, torch.tensor(-1), indices)
@@ -545,22 +773,34 @@ def random_attention_case(
         ]
         indices = torch.where(roll >= 1 - (1 - valid_fraction) / 4, bad, indices)
     return _attention_case(
-        name, q, _kv_values(P, gen), indices, page_table, token_to_req, device, softmax_scale, lead
+        name,
+        q,
+        _kv_values(P, gen, layout.page_size),
+        indices,
+        page_table,
+        token_to_req,
+        device,
+        softmax_scale,
+        lead,
+        layout,
+        gen,
     )
 
 
-def scale_attention_case(context_tokens: int, R: int, device="cpu", seed: int = 0) -> AttentionCase:
+def scale_attention_case(
+    context_tokens: int, R: int, device="cpu", seed: int = 0, layout: Layout = SEED
+) -> AttentionCase:
     """Rows of one request over ``context_tokens`` tokens, every row with 2051 random
     (possibly repeated) tokens; memory is the KV buffer, 512 KiB per 512 tokens."""
     gen = _gen(seed)
-    num_pages = -(-context_tokens // KV_PAGE)
+    num_pages = -(-context_tokens // layout.page_size)
     q = torch.randn(R, ATTN_HEADS, HEAD_DIM, generator=gen).to(torch.float16)
     indices = torch.randint(0, context_tokens, (R, WIDTH), generator=gen)
     page_table = [torch.randperm(num_pages, generator=gen).tolist()]
     return _attention_case(
         f"scale{context_tokens}",
         q,
-        _kv_values(num_pages, gen),
+        _kv_values(num_pages, gen, KV_PAGE),
         indices,
         page_table,
         [0] * R,
@@ -583,7 +823,7 @@ def expected_selection_row(case: SelectCase, r: int, lists: list[list] | None = 
     the integer inputs as Python lists (see _selection_lists)."""
     page_table, token_to_req, positions, lengths = lists or _selection_lists(case)
     num_requests = len(lengths)
-    num_pages = case.compressed_key_cache.shape[0]
+    num_pages, per_page = case.compressed_key_cache.shape[:2]
     b = token_to_req[r]
     if not 0 <= b < num_requests:
         return None
@@ -592,14 +832,14 @@ def expected_selection_row(case: SelectCase, r: int, lists: list[list] | None = 
     max_pages = len(page_table[b])
     usable = []
     for j in range(nb):
-        if j // CK_PAGE >= max_pages:
+        if j // per_page >= max_pages:
             break
-        phys = page_table[b][j // CK_PAGE]
+        phys = page_table[b][j // per_page]
         if 0 <= phys < num_pages:
             usable.append(j)
     if usable:
-        phys = torch.tensor([page_table[b][j // CK_PAGE] for j in usable])
-        slots = torch.tensor([j % CK_PAGE for j in usable])
+        phys = torch.tensor([page_table[b][j // per_page] for j in usable])
+        slots = torch.tensor([j % per_page for j in usable])
         keys = case.compressed_key_cache.detach().cpu()[phys, slots, 0].double()  # [U, 128]
         qr = case.q.detach().cpu()[r].double()  # [4, 128]
         scores = (qr @ keys.T).clamp_min(0.0).sum(dim=0) / math.sqrt(INDEX_DIM)
@@ -625,6 +865,10 @@ def check_selection(case: SelectCase, out: torch.Tensor, exact: bool | None = No
         raise AssertionError(
             f"{case!r}: out has shape {tuple(got.shape)}, expected ({rows}, {WIDTH})"
         )
+    if case.out_base is not None and case.out_base.shape[1] > WIDTH:
+        extra = case.out_base[:, WIDTH:].cpu()
+        if (extra != POISON_INT32).any():
+            raise AssertionError(f"{case!r}: a column past {WIDTH} of out's rows was written")
     got_rows = got.tolist()
     lists = _selection_lists(case)
     for r in range(rows):
@@ -692,14 +936,19 @@ def check_selection(case: SelectCase, out: torch.Tensor, exact: bool | None = No
 
 
 def expected_attention(case: AttentionCase) -> torch.Tensor:
-    """float64 [R, 3, 256] expected output, computed with loops over rows and entries."""
+    """float64 [R, 3, 256] expected output, computed with loops over rows and entries. K and V
+    are the cached values times their scales (float8 caches); with a gate, the attention is
+    rounded to q's dtype (the contract's one intermediate rounding) and multiplied by
+    sigmoid(gate) in float64."""
     indices, page_table, token_to_req = _cpu_lists(
         case.logical_indices, case.page_table, case.token_to_req
     )
     scale = resolve_softmax_scale(case.softmax_scale)
-    num_pages = case.k_cache.shape[0]
+    num_pages, page_size = case.k_cache.shape[:2]
     k_cache = case.k_cache.detach().cpu()
     v_cache = case.v_cache.detach().cpu()
+    k_scale = 1.0 if case.k_scale is None else case.k_scale
+    v_scale = 1.0 if case.v_scale is None else case.v_scale
     q = case.q.detach().cpu().double()
     rows = q.shape[0]
     result = torch.zeros(rows, ATTN_HEADS, HEAD_DIM, dtype=torch.float64)
@@ -709,20 +958,23 @@ def expected_attention(case: AttentionCase) -> torch.Tensor:
             continue
         phys, slots = [], []
         for i in indices[r]:
-            if i < 0 or i // KV_PAGE >= len(page_table[b]):
+            if i < 0 or i // page_size >= len(page_table[b]):
                 continue
-            p = page_table[b][i // KV_PAGE]
+            p = page_table[b][i // page_size]
             if 0 <= p < num_pages:
                 phys.append(p)
-                slots.append(i % KV_PAGE)
+                slots.append(i % page_size)
         if not phys:
             continue
-        keys = k_cache[phys, slots, 0].double()  # [N, 256]
-        values = v_cache[phys, slots, 0].double()
+        keys = k_cache[phys, slots, 0].double() * k_scale  # [N, 256]
+        values = v_cache[phys, slots, 0].double() * v_scale
         for h in range(ATTN_HEADS):
             logits = scale * (keys @ q[r, h])
             w = torch.exp(logits - logits.max())
             result[r, h] = (w / w.sum()) @ values
+    if case.gate is not None:
+        rounded = result.to(case.q.dtype).double()
+        result = rounded * torch.sigmoid(case.gate.detach().cpu().double())
     return result
 
 
@@ -829,6 +1081,54 @@ def refusal_mutations(
                 if isinstance(value, torch.Tensor) and value.numel() and args[j].numel():
                     inp, out = _sharing_storage(value, args[j])
                     changes.append((f"{o} overlaps {name}", (i, j), (inp, out)))
+    return changes
+
+
+def _unaligned_strides(t: torch.Tensor) -> torch.Tensor:
+    """Same shape and dtype, every stride but the last one element off a 16-byte multiple."""
+    wide = torch.zeros((*t.shape[:-1], t.shape[-1] + 1), dtype=t.dtype, device=t.device)
+    return wide[..., : t.shape[-1]]
+
+
+def _unaligned_start(t: torch.Tensor) -> torch.Tensor:
+    """Same shape, strides and dtype, starting one element past a 16-byte boundary."""
+    buf = torch.zeros(t.numel() + 16, dtype=t.dtype, device=t.device)
+    return buf[1 : 1 + t.numel()].view(t.shape)
+
+
+def contract_v2_mutations(args: Sequence, names: Sequence[str]):
+    """``(label, index, new_value)`` changes of ``args`` (every schema argument in order,
+    keyword-only ones included) outside contract v2's layouts and values: cache strides or
+    data off 16 bytes, no keys per page, overlapping ``out`` rows, page sizes, the float8
+    scales, float8 caches without scales."""
+    changes = []
+    at = {name: i for i, name in enumerate(names)}
+    for name in ("compressed_key_cache", "k_cache", "v_cache"):
+        if name in at and args[at[name]].numel():
+            t = args[at[name]]
+            changes.append((f"{name}: strides off 16 bytes", at[name], _unaligned_strides(t)))
+            changes.append((f"{name}: start off 16 bytes", at[name], _unaligned_start(t)))
+    if "compressed_key_cache" in at:
+        ck = args[at["compressed_key_cache"]]
+        changes.append(("compressed_key_cache: C = 0", at["compressed_key_cache"], ck[:, :0]))
+        out = args[at["out"]]
+        if out.shape[0] > 1:
+            rows = out.as_strided(out.shape, (WIDTH - 1, 1))
+            changes.append(("out: overlapping rows", at["out"], rows))
+    if "page_size" in at:
+        i = at["page_size"]
+        for value in (6, 0, args[i] + 4):
+            changes.append((f"page_size {value}", i, value))
+    if "k_scale" in at:
+        fp8 = args[at["k_cache"]].dtype == FP8
+        for name in ("k_scale", "v_scale"):
+            values = (None, -1.0, 0.0, math.nan, math.inf) if fp8 else (0.5, 1.0)
+            for value in values:
+                changes.append((f"{name} {value!r}", at[name], value))
+        if not fp8:
+            both = (at["k_cache"], at["v_cache"])
+            fp8_caches = (args[both[0]].to(FP8), args[both[1]].to(FP8))
+            changes.append(("float8 caches without scales", both, fp8_caches))
     return changes
 
 

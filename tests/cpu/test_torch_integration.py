@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from custom_esimd_kernels_vllm import qsa_ops
-from custom_esimd_kernels_vllm.qsa_ops import ops, testing
+from custom_esimd_kernels_vllm.qsa_ops import contract, ops, testing
 
 
 @pytest.mark.parametrize("name", ["multi_request", "empty"])
@@ -31,13 +31,48 @@ def test_opcheck_select_zero_rows():
 @pytest.mark.parametrize("name", ["holes_dups_cross_page", "empty"])
 def test_opcheck_attention(name):
     case = testing.make_attention_case(name, 2)
-    torch.library.opcheck(torch.ops.qsa.sparse_paged_attention.default, case.op_args())
+    torch.library.opcheck(torch.ops.qsa.sparse_paged_attention.default, case.args())
 
 
 def test_opcheck_attention_explicit_scale():
     case = testing.make_attention_case("valid_width_32", 1)
-    args = case.op_args()[:-1] + (0.1,)
+    args = case.args()[:-1] + (0.1,)
     torch.library.opcheck(torch.ops.qsa.sparse_paged_attention.default, args)
+
+
+@pytest.mark.parametrize("layout", ["vllm_bf16_784", "vllm_fp8_784", "vllm_fp8_800_separate"])
+def test_opcheck_v2_layouts(layout):
+    """The keyword arguments (float8 scales, gate) and vLLM's layouts through opcheck."""
+    lay = testing.LAYOUTS[layout]
+    # NOTES: opcheck's schema test compares inputs before and after with arithmetic that CPU
+    # torch lacks for float8 ("mul_cpu_reduced_float"); float8 cases run the other tests (the
+    # bfloat16 layout runs all of them).
+    utils = [u for u in torch.library._OPCHECK_DEFAULT_UTILS if lay.cache_dtype is not contract.FP8 or u != "test_schema"]  # fmt: skip
+    att = testing.make_attention_case("holes_dups_cross_page", 2, layout=lay)
+    torch.library.opcheck(
+        torch.ops.qsa.sparse_paged_attention.default, att.args(), att.kwargs(), test_utils=utils
+    )
+    utils = [u for u in torch.library._OPCHECK_DEFAULT_UTILS if lay.select_dtype is not contract.FP8 or u != "test_schema"]  # fmt: skip
+    sel = testing.make_select_case("multi_request", 2, layout=lay)
+    torch.library.opcheck(torch.ops.qsa.select_paged_tokens.default, sel.args(), test_utils=utils)
+
+
+def test_compile_fullgraph_v2_keywords():
+    """The keyword arguments trace too (gate, float8 scales), and compute what eager does."""
+    torch._dynamo.reset()
+    att = testing.make_attention_case("valid_width_32", 2, layout=testing.LAYOUTS["vllm_fp8_784"])
+    want = att.new_out()
+    qsa_ops.sparse_paged_attention(*att.args()[:7], want, **att.kwargs())
+
+    def f(q, k, v, idx, pt, ttr, out, gate):
+        return qsa_ops.sparse_paged_attention(
+            q, k, v, idx, pt, ttr, 784, out, k_scale=0.5, v_scale=2.0, gate=gate
+        )
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    out = att.new_out()
+    compiled(*att.args()[:6], out, att.gate)
+    assert torch.equal(out, want)
 
 
 def _qsa_layer(sel: testing.SelectCase, att: testing.AttentionCase, indices_out, attn_out):
@@ -142,7 +177,7 @@ def _run_fresh(code: str, backend: str | None, cwd: Path | None = None) -> str:
 REPO = str(Path(__file__).resolve().parents[2])
 CHECK_CPU = """
 from custom_esimd_kernels_vllm import qsa_ops
-from custom_esimd_kernels_vllm.qsa_ops import ops, testing
+from custom_esimd_kernels_vllm.qsa_ops import contract, ops, testing
 case = testing.make_attention_case("valid_width_32", 1)
 print("backend", ops.BACKEND)
 try:
@@ -178,14 +213,14 @@ def test_reference_forced_does_not_load_the_library():
 
 CHECK_CUDA_KEY = """
 import warnings
-from custom_esimd_kernels_vllm.qsa_ops import ops, testing
+from custom_esimd_kernels_vllm.qsa_ops import contract, ops, testing
 print("backend", ops.BACKEND, "|", ops.LIBRARY_ERROR)
 case = testing.make_attention_case("valid_width_32", 1)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     try:
         for _ in range(2):  # the CUDA key's kernel, called directly (no GPU here)
-            ops.CUDA_KERNELS["sparse_paged_attention"](*case.op_args())
+            ops.CUDA_KERNELS["sparse_paged_attention"](*case.args())
         print("ran", bool(case.out.isfinite().all()))
     except RuntimeError as exc:
         print("refused", exc)
