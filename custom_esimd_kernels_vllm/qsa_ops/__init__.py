@@ -105,11 +105,18 @@ def sparse_paged_attention(
     """Sparse attention over the listed tokens (contract section 2); returns ``out``."""
     args = (q, k_cache, v_cache, logical_indices, page_table, token_to_req, page_size, out,
             softmax_scale)  # fmt: skip
-    kwargs = {"k_scale": k_scale, "v_scale": v_scale, "gate": gate}
+    # NOTES: the seed's call (no scales, no gate) goes to the operator without keywords: its
+    # host cost is the one measured before contract v2 (benchmark host_overhead).
+    seed_call = k_scale is None and v_scale is None and gate is None
+    kwargs = {} if seed_call else {"k_scale": k_scale, "v_scale": v_scale, "gate": gate}
     if torch.compiler.is_compiling():
         _attention(*args, **kwargs)
         return out
-    if not (_is_int(page_size) and all(_is_float(x) for x in (softmax_scale, k_scale, v_scale))):
+    if not (
+        type(page_size) is int
+        and (softmax_scale is None or type(softmax_scale) is float)
+        and (seed_call or (_is_float(k_scale) and _is_float(v_scale)))
+    ):
         contract.validate_attention_args(*args, **kwargs)  # types the schema would coerce
     try:
         _attention(*args, **kwargs)
