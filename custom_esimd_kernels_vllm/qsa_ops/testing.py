@@ -343,11 +343,18 @@ def _i32(values, device) -> torch.Tensor:
     return torch.as_tensor(values, dtype=torch.int32).to(device)
 
 
-def _table(page_table, device) -> torch.Tensor:
-    """[B, M] int32 from a tensor or a non-empty list of rows."""
+def _table(page_table, device, pad: int = 0) -> torch.Tensor:
+    """[B, M] int32 from a tensor or a non-empty list of rows; ``pad`` > 0 makes its rows
+    strided (a view of a [B, M + pad] buffer whose extra columns hold page 0, a valid page)."""
     if isinstance(page_table, torch.Tensor):
-        return page_table.to(device=device, dtype=torch.int32).contiguous()
-    return _i32(page_table, device).reshape(len(page_table), -1)
+        table = page_table.to(device=device, dtype=torch.int32).contiguous()
+    else:
+        table = _i32(page_table, device).reshape(len(page_table), -1)
+    if not pad:
+        return table
+    wide = torch.zeros(table.shape[0], table.shape[1] + pad, dtype=torch.int32, device=device)
+    wide[:, : table.shape[1]] = table
+    return wide[:, : table.shape[1]]
 
 
 def _select_case(
@@ -355,12 +362,7 @@ def _select_case(
 ) -> SelectCase:
     rows = q.shape[0]
     dtype = layout.select_dtype
-    table = _table(page_table, device)
-    if layout.table_pad:  # strided rows: a wider buffer, the extra columns a valid page
-        wide = torch.zeros(table.shape[0], table.shape[1] + layout.table_pad, dtype=torch.int32)
-        wide = wide.to(device)
-        wide[:, : table.shape[1]] = table
-        table = wide[:, : table.shape[1]]
+    table = _table(page_table, device, layout.table_pad)
     storage, cache = paged_cache(ck.to(dtype), layout.layers, device)
     out_base, out = _rows_view(rows, WIDTH, layout.index_stride, torch.int32, device)
     return SelectCase(
@@ -627,12 +629,7 @@ def _attention_case(
 ) -> AttentionCase:
     rows = q.shape[0]
     owners, k_cache, v_cache = layout_kv(kv_values, layout, device, lead)
-    table = _table(page_table, device)
-    if layout.table_pad:  # strided rows; the extra columns hold a valid page
-        wide = torch.zeros(table.shape[0], table.shape[1] + layout.table_pad, dtype=torch.int32)
-        wide = wide.to(device)
-        wide[:, : table.shape[1]] = table
-        table = wide[:, : table.shape[1]]
+    table = _table(page_table, device, layout.table_pad)
     index_base = torch.zeros(rows, layout.index_stride, dtype=torch.int32, device=device)
     index_base[:, :WIDTH] = _i32(indices, device).reshape(rows, WIDTH)  # extra columns: token 0
     gate = None
