@@ -232,7 +232,9 @@ def test_public_refusal_is_the_contract_error_and_writes_nothing():
     case = testing.make_select_case("multi_request", 2, seed=5)
     args = list(case.args())
     args[0] = args[0].float()
-    message = "q must have dtype torch.float16, torch.bfloat16 or torch.float8_e4m3fn, got torch.float32"
+    message = (
+        "q must have dtype torch.float16, torch.bfloat16 or torch.float8_e4m3fn, got torch.float32"
+    )
     with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
         qsa_ops.select_paged_tokens(*args)
     assert (case.out == testing.POISON_INT32).all()
