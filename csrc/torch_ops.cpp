@@ -707,56 +707,17 @@ bool pdl_enabled() {
 constexpr int64_t kInt32Max = 2147483647;
 
 // ---------------------------------------------------------------------------------------------
-// What the kernels take today: the seed's case of contract v2
+// Kernel parameters from the validated tensors (contract v2: every dtype and layout)
 // ---------------------------------------------------------------------------------------------
 
-// NOTES: contract v2 (bfloat16, float8 K/V and indexer, vLLM's pages and strides, the gate) is
-// validated above for every backend; the CUDA kernels take its seed case until they are
-// generalised. Anything else is refused, after validation and before any launch, with
-// NotImplementedError naming what the kernels do not take yet (never a silent fallback).
-[[noreturn]] void not_implemented(const char* op, const std::string& what) {
-  refuse("NotImplementedError", std::string(op) + ": the CUDA kernels do not take " + what +
-                                    " yet (contract v2 runs on the PyTorch reference: " +
-                                    "QSA_BACKEND=reference)");
+qsa::DType kernel_dtype(ScalarType t) {
+  return t == ScalarType::BFloat16 ? qsa::DType::kBFloat16
+         : t == kFp8               ? qsa::DType::kFloat8E4M3
+                                   : qsa::DType::kFloat16;
 }
 
-bool rows_contiguous(const Tensor& t) { return t.size(0) <= 1 || t.stride(0) == t.size(1); }
-
-void refuse_unless_kernels_take_select(const Tensor& q, const Tensor& ck, const Tensor& page_table,
-                                       const Tensor& out) {
-  const char* op = "select_paged_tokens";
-  if (q.scalar_type() != ScalarType::Half) not_implemented(op, "q of dtype " + dtype_name(q.scalar_type()));
-  if (ck.size(1) != QSA_CK_PAGE || !ck.is_contiguous())
-    not_implemented(op, "a compressed_key_cache other than a contiguous [P, " +
-                            std::to_string(QSA_CK_PAGE) + ", 1, " +
-                            std::to_string(QSA_INDEX_DIM) + "] tensor");
-  if (!rows_contiguous(page_table)) not_implemented(op, "strided page_table rows");
-  if (!rows_contiguous(out)) not_implemented(op, "strided out rows");
-}
-
-constexpr int64_t kKvStrides[4] = {QSA_KV_PAGE * 2 * QSA_HEAD_DIM, 2 * QSA_HEAD_DIM, QSA_HEAD_DIM,
-                                   1};
-
-void refuse_unless_kernels_take_attention(const Tensor& q, const Tensor& k_cache,
-                                          const Tensor& v_cache, const Tensor& logical_indices,
-                                          const Tensor& page_table,
-                                          const std::optional<Tensor>& gate) {
-  const char* op = "sparse_paged_attention";
-  if (q.scalar_type() != ScalarType::Half)
-    not_implemented(op, "q of dtype " + dtype_name(q.scalar_type()));
-  if (k_cache.scalar_type() != ScalarType::Half)
-    not_implemented(op, "K/V caches of dtype " + dtype_name(k_cache.scalar_type()));
-  const Meta mk = Meta::of(k_cache), mv = Meta::of(v_cache);
-  const bool packed =
-      mk.strides_are(kKvStrides, 4) && mv.strides_are(kKvStrides, 4) &&
-      mv.data == mk.data + QSA_HEAD_DIM * static_cast<uint64_t>(mk.element_size);
-  if (k_cache.size(1) != QSA_KV_PAGE || !packed)
-    not_implemented(op, "K/V other than the exact-packed 512-token layout (strides (262144, 512, "
-                        "256, 1), V 256 elements after K)");
-  if (gate) not_implemented(op, "the output gate");
-  if (!rows_contiguous(logical_indices)) not_implemented(op, "strided logical_indices rows");
-  if (!rows_contiguous(page_table)) not_implemented(op, "strided page_table rows");
-}
+// Elements between rows of a 2-D argument (any value is fine for 0 or 1 rows).
+int64_t row_stride(const Tensor& t) { return t.size(0) > 1 ? t.stride(0) : t.size(1); }
 
 // ---------------------------------------------------------------------------------------------
 // The ops
@@ -767,37 +728,42 @@ void select_paged_tokens(Tensor q, Tensor ck, Tensor page_table, Tensor token_to
                          int64_t compress_ratio, Tensor out) {
   validate_select(q, ck, page_table, token_to_req, query_positions, sequence_lengths, token_topk,
                   compress_ratio, out);
-  refuse_unless_kernels_take_select(q, ck, page_table, out);
   const int64_t rows = q.size(0), requests = page_table.size(0), width = page_table.size(1);
-  if (width * QSA_CK_PAGE > kInt32Max)
-    value_error("page_table width M must be at most " + std::to_string(kInt32Max / QSA_CK_PAGE) +
-                " for the CUDA kernels (M * " + std::to_string(QSA_CK_PAGE) +
-                " blocks index an int32), got " + std::to_string(width));
+  const int64_t keys_per_page = ck.size(1);
+  if (width * keys_per_page > kInt32Max)
+    value_error("page_table width M times the keys per page C must be at most " +
+                std::to_string(kInt32Max) + " for the CUDA kernels (M * C blocks index an " +
+                "int32), got " + std::to_string(width) + " * " + std::to_string(keys_per_page));
   const int device = q.get_device();
   check_capability(device);
   const DeviceGuard guard(device, "select_paged_tokens: selecting the device");
   const cudaStream_t stream = current_stream(device);
   const bool generic = select_generic_path(), pdl = pdl_enabled();
   const WorkspaceView ws =
-      workspace(q, device, stream, qsa::select_workspace_bytes(rows, width));
-  const qsa::SelectParams p{q.const_data_ptr(),
-                            ck.const_data_ptr(),
-                            static_cast<const int32_t*>(page_table.const_data_ptr()),
-                            static_cast<const int32_t*>(token_to_req.const_data_ptr()),
-                            static_cast<const int64_t*>(query_positions.const_data_ptr()),
-                            static_cast<const int32_t*>(sequence_lengths.const_data_ptr()),
-                            static_cast<int32_t*>(out.mutable_data_ptr()),
-                            rows,
-                            requests,
-                            width,
-                            ck.size(0),
-                            width,
-                            QSA_WIDTH,
-                            ws.scratch,
-                            ws.scratch_bytes,
-                            ws.counters + qsa::attention_counter_slots(),
-                            generic,
-                            pdl};
+      workspace(q, device, stream, qsa::select_workspace_bytes(rows, width, keys_per_page));
+  qsa::SelectParams p{};
+  p.q = q.const_data_ptr();
+  p.compressed_keys = ck.const_data_ptr();
+  p.page_table = static_cast<const int32_t*>(page_table.const_data_ptr());
+  p.token_to_req = static_cast<const int32_t*>(token_to_req.const_data_ptr());
+  p.query_positions = static_cast<const int64_t*>(query_positions.const_data_ptr());
+  p.sequence_lengths = static_cast<const int32_t*>(sequence_lengths.const_data_ptr());
+  p.out = static_cast<int32_t*>(out.mutable_data_ptr());
+  p.rows = rows;
+  p.requests = requests;
+  p.table_width = width;
+  p.pages = ck.size(0);
+  p.page_table_stride = row_stride(page_table);
+  p.out_stride = row_stride(out);
+  p.workspace = ws.scratch;
+  p.workspace_bytes = ws.scratch_bytes;
+  p.counters = ws.counters + qsa::attention_counter_slots();
+  p.generic_path = generic;
+  p.pdl = pdl;
+  p.dtype = kernel_dtype(q.scalar_type());
+  p.keys_per_page = keys_per_page;
+  p.ck_page_stride = ck.stride(0);
+  p.ck_row_stride = ck.stride(1);
   check_cuda(qsa::select_paged_tokens(p, stream), "select_paged_tokens");
 }
 
@@ -808,13 +774,8 @@ void sparse_paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor log
   const AttentionScales scales =
       validate_attention(q, k_cache, v_cache, logical_indices, page_table, token_to_req,
                          page_size, out, softmax_scale, k_scale, v_scale, gate);
-  refuse_unless_kernels_take_attention(q, k_cache, v_cache, logical_indices, page_table, gate);
   const int64_t rows = q.size(0), pages = k_cache.size(0);
   const int64_t requests = page_table.size(0), width = page_table.size(1);
-  if (pages * QSA_KV_PAGE > kInt32Max)
-    value_error("k_cache must have at most " + std::to_string(kInt32Max / QSA_KV_PAGE) +
-                " pages for the CUDA kernels (cache slots index an int32), got " +
-                std::to_string(pages));
   const int device = q.get_device();
   check_capability(device);
   const DeviceGuard guard(device, "sparse_paged_attention: selecting the device");
@@ -823,24 +784,36 @@ void sparse_paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor log
   const bool pdl = pdl_enabled();
   const WorkspaceView ws =
       workspace(q, device, stream, qsa::attention_workspace_bytes(rows, splits, device));
-  const qsa::AttentionParams p{q.const_data_ptr(),
-                               k_cache.const_data_ptr(),  // the exact-packed buffer's start
-                               static_cast<const int32_t*>(logical_indices.const_data_ptr()),
-                               static_cast<const int32_t*>(page_table.const_data_ptr()),
-                               static_cast<const int32_t*>(token_to_req.const_data_ptr()),
-                               out.mutable_data_ptr(),
-                               rows,
-                               requests,
-                               width,
-                               pages,
-                               QSA_WIDTH,
-                               width,
-                               static_cast<float>(scales.softmax),
-                               splits,
-                               ws.scratch,
-                               ws.scratch_bytes,
-                               ws.counters,
-                               pdl};
+  qsa::AttentionParams p{};
+  p.q = q.const_data_ptr();
+  p.k_cache = k_cache.const_data_ptr();
+  p.v_cache = v_cache.const_data_ptr();
+  p.logical_indices = static_cast<const int32_t*>(logical_indices.const_data_ptr());
+  p.page_table = static_cast<const int32_t*>(page_table.const_data_ptr());
+  p.token_to_req = static_cast<const int32_t*>(token_to_req.const_data_ptr());
+  p.out = out.mutable_data_ptr();
+  p.gate = gate ? gate->const_data_ptr() : nullptr;
+  p.rows = rows;
+  p.requests = requests;
+  p.table_width = width;
+  p.pages = pages;
+  p.page_size = page_size;
+  p.k_page_stride = k_cache.stride(0);
+  p.k_token_stride = k_cache.stride(1);
+  p.v_page_stride = v_cache.stride(0);
+  p.v_token_stride = v_cache.stride(1);
+  p.indices_stride = row_stride(logical_indices);
+  p.page_table_stride = row_stride(page_table);
+  p.softmax_scale = static_cast<float>(scales.softmax);
+  p.k_scale = static_cast<float>(scales.k);
+  p.v_scale = static_cast<float>(scales.v);
+  p.dtype = kernel_dtype(q.scalar_type());
+  p.kv_dtype = kernel_dtype(k_cache.scalar_type());
+  p.splits = splits;
+  p.workspace = ws.scratch;
+  p.workspace_bytes = ws.scratch_bytes;
+  p.counters = ws.counters;
+  p.pdl = pdl;
   check_cuda(qsa::sparse_paged_attention(p, stream), "sparse_paged_attention");
 }
 

@@ -2,7 +2,9 @@
 #pragma once
 
 #include <cuda.h>  // the driver's types only: its entry points are resolved at run time
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -164,8 +166,27 @@ __device__ __forceinline__ int32_t ldg32_pred(const int32_t* p, bool pred, int32
   }
   return v;
 }
+#define QSA_LDG8_PRED(nc)                                                        \
+  asm volatile("{\n\t.reg .pred q;\n\t"                                          \
+               "setp.ne.b32 q, %3, 0;\n\t"                                       \
+               "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\t"                            \
+               "@q ld.global" nc ".v2.u32 {%0, %1}, [%2];\n\t}"                   \
+               : "=r"(v.x), "=r"(v.y)                                             \
+               : "l"(p), "r"(int(pred)))
+// Eight bytes (an 8-byte aligned address), predicated: zero when !pred.
+template <bool kFirstLoad = false>
+__device__ __forceinline__ uint2 ldg8_pred(const void* p, bool pred) {
+  uint2 v;
+  if constexpr (kFirstLoad) {
+    QSA_LDG8_PRED("");
+  } else {
+    QSA_LDG8_PRED(".nc");
+  }
+  return v;
+}
 #undef QSA_LDG16_PRED
 #undef QSA_LDG32_PRED
+#undef QSA_LDG8_PRED
 
 template <bool kFirstLoad = false>
 __device__ __forceinline__ int64_t ldg64(const int64_t* p) {
@@ -186,6 +207,83 @@ __device__ __forceinline__ uint4 load8_pred(const __half* p, bool pred) {
   } else {
     return pred ? load8<false, kFirstLoad>(p) : make_uint4(0, 0, 0, 0);
   }
+}
+
+// ---- Element types (contract v2) -----------------------------------------------------------
+// The kernels are templated on the element type of their tensors: __half, __nv_bfloat16 and
+// (K/V caches, the indexer) __nv_fp8_e4m3. Eight consecutive elements are one "raw" word:
+// uint4 for the 2-byte types, uint2 for fp8; to_float8 widens them exactly to float32.
+template <typename T>
+struct Elem;
+template <>
+struct Elem<__half> {
+  using Raw = uint4;
+  static constexpr int kBytes = 2;
+  __device__ static __forceinline__ void to_float8(const uint4& raw, float (&f)[8]) {
+    half8_to_float(raw, f);
+  }
+  __device__ static __forceinline__ float to_float(uint16_t bits) {
+    return __half2float(__ushort_as_half(bits));
+  }
+  __device__ static __forceinline__ uint16_t from_float(float v) {
+    return __half_as_ushort(__float2half_rn(v));
+  }
+};
+template <>
+struct Elem<__nv_bfloat16> {
+  using Raw = uint4;
+  static constexpr int kBytes = 2;
+  __device__ static __forceinline__ void to_float8(const uint4& raw, float (&f)[8]) {
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+  __device__ static __forceinline__ float to_float(uint16_t bits) {
+    return __uint_as_float(static_cast<uint32_t>(bits) << 16);
+  }
+  __device__ static __forceinline__ uint16_t from_float(float v) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  }
+};
+// Two fp8-e4m3 values (the low byte first) as two halves, exactly (cvt.rn.f16x2.e4m3x2).
+__device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t two) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+// Eight fp8-e4m3 values as eight halves (exact: every e4m3 value is a float16).
+__device__ __forceinline__ uint4 fp8x8_to_half8(const uint2& raw) {
+  return make_uint4(fp8x2_to_half2(raw.x), fp8x2_to_half2(raw.x >> 16), fp8x2_to_half2(raw.y),
+                    fp8x2_to_half2(raw.y >> 16));
+}
+template <>
+struct Elem<__nv_fp8_e4m3> {
+  using Raw = uint2;
+  static constexpr int kBytes = 1;
+  __device__ static __forceinline__ void to_float8(const uint2& raw, float (&f)[8]) {
+    half8_to_float(fp8x8_to_half8(raw), f);
+  }
+};
+
+// Eight elements of a 16-byte (2-byte types) or 8-byte (fp8) aligned address, predicated.
+template <typename T, bool kFirstLoad = false>
+__device__ __forceinline__ typename Elem<T>::Raw load_raw8(const T* p, bool pred) {
+  if constexpr (Elem<T>::kBytes == 2) {
+    return ldg16_pred<kFirstLoad>(p, pred);
+  } else {
+    return ldg8_pred<kFirstLoad>(p, pred);
+  }
+}
+
+// Eight 2-byte elements, coherent (a kernel's first loads), at any 2-byte aligned address:
+// one 16-byte load where the address allows it (`vec16`, uniform), else eight 2-byte loads.
+__device__ __forceinline__ uint4 load8_first_any(const void* p, bool vec16, bool pred) {
+  if (vec16) return ldg16_pred<true>(p, pred);
+  if (!pred) return make_uint4(0, 0, 0, 0);
+  return load8<false, true>(static_cast<const __half*>(p));
 }
 
 // Last-CTA patterns: a barrier, then this by one thread (release of the CTA's writes, acquire
@@ -245,7 +343,7 @@ inline cudaLaunchAttribute pdl_attribute() {
   return a;
 }
 
-inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+__host__ __device__ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 }  // namespace detail
 }  // namespace qsa

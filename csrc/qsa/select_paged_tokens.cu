@@ -25,10 +25,13 @@
 // compare ranks everything and unusable blocks can never win. -0.0 is canonicalised to +0.0
 // (x > 0 ? x : 0) so that it ties with +0.0 exactly as in the reference. Keys are < 2^31
 // (the largest is +inf's bits + 1).
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "common.cuh"
 #include "qsa.h"
@@ -40,12 +43,10 @@ namespace qsa {
 namespace select_impl {
 
 using detail::atomic_add_acq_rel_gpu;
-using detail::load8;
-using detail::load8_pred;
+using detail::Elem;
 
 constexpr int kIndexHeads = QSA_INDEX_HEADS;    // 4
 constexpr int kIndexDim = QSA_INDEX_DIM;        // 128
-constexpr int kCkPage = QSA_CK_PAGE;            // 128 compressed keys per page
 constexpr int kRatio = QSA_COMPRESS_RATIO;      // 4 tokens per block
 constexpr int kBlockTopk = QSA_BLOCK_TOPK;      // 512
 constexpr int kWidth = QSA_WIDTH;               // 2051
@@ -65,7 +66,10 @@ constexpr int kGroupThreads = 256;             // a page group: 8 warps x 16 blo
 constexpr int kGroups = kThreads / kGroupThreads;
 constexpr int kWarpChunk = 16;                 // blocks a warp scores at a time (mma rows)
 constexpr int kScoreChunk = kWarpChunk * (kGroupThreads / 32);  // blocks per group iteration
-static_assert(kScoreChunk == kCkPage, "a group iteration scores exactly one page");
+// NOTES (contract v2): a page holds C keys (any C >= 1). A group iteration scores kScoreChunk
+// consecutive blocks (one seed page); a warp's 16-block chunk lies in one page when C is a
+// multiple of 16 (one page-table entry per chunk, as in the seed), else each lane looks up
+// the pages of its own two blocks.
 
 // NOTES (v7i): the first digit is relative to the row's largest key: bin 4095 holds the keys
 // whose bits >> 15 equal the largest key's, each bin below one step (2^15 key units, 256 bins
@@ -101,7 +105,7 @@ constexpr int kWideCtas = 4;                   // CTAs per row when rows outnumb
 // 8 pages per group: 30.0 -> 32.5 us).
 // NOTES: the workspace holds kDistRows rows' histograms and buffers (40 KiB each), and a
 // launch takes the distributed select only with at most that many rows. A streamed row has
-// more than kTile / kCkPage = 128 pages and needs at least 129 / (kDistPages kGroups), i.e.
+// more than kTile / 128 = 128 seed pages and needs at least 129 / (kDistPages kGroups), i.e.
 // 33 CTAs, of at most SMs / rows per row: rows <= SMs / 33, 4 on 132 SMs; 8 covers devices of
 // up to 296 SMs (a launch with more rows takes the last-CTA select). It was min(group rows,
 // 256): up to 10 MiB of workspace that no launch could use.
@@ -174,12 +178,85 @@ struct SelectShared {
   int is_last;
 };
 
+// kBf16: bfloat16 inputs, else float16 (fp16 keys, and fp8 keys widened exactly to fp16).
+template <bool kBf16>
 __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                           uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  if constexpr (kBf16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// Division by C (runtime): j / C = (j * mul) >> shift for 0 <= j < 2^31.
+struct KeyDiv {
+  uint64_t mul;
+  uint32_t shift;
+  uint32_t d;
+  __device__ __forceinline__ int64_t div(int64_t j) const {
+    return static_cast<int64_t>((static_cast<uint64_t>(j) * mul) >> shift);
+  }
+};
+inline KeyDiv make_key_div(int64_t d) {
+  uint32_t l = 0;
+  while ((int64_t(1) << l) < d) ++l;
+  KeyDiv kd;
+  kd.shift = 31 + l;
+  kd.mul = static_cast<uint64_t>(((unsigned __int128)1 << kd.shift) / uint64_t(d)) + 1;
+  kd.d = static_cast<uint32_t>(d);
+  return kd;
+}
+
+// 16 bytes at any byte address, coherent (a kernel's first loads): one 16-byte load where the
+// address allows it (vec16, uniform), else 16 byte loads.
+__device__ __forceinline__ uint4 load16_first_any(const void* p, bool vec16, bool pred) {
+  if (vec16) return detail::ldg16_pred<true>(p, pred);
+  uint32_t w[4] = {0, 0, 0, 0};
+  if (pred) {
+    const unsigned char* b = static_cast<const unsigned char*>(p);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      uint32_t v;
+      asm volatile("ld.global.u8 %0, [%1];\n" : "=r"(v) : "l"(b + i));
+      w[i / 4] |= (v & 0xffu) << (8 * (i % 4));
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The key loads of one block row for a lane: kLoads 16-byte words (4 of 8 fp16/bf16 dims, or
+// 2 of 16 fp8 dims), and their mma A words (4 x 8 halves) after widening.
+template <typename T>
+constexpr int key_loads() {
+  return Elem<T>::kBytes == 2 ? 4 : 2;
+}
+// Element offset of load s of lane t's dims: 2-byte types 8 (4 s + t) (the seed's), fp8
+// 16 (4 s + t). Slot s' = 2 s + e of fp8 holds dims 16 (4 s + t) + 8 e .. + 8 after widening;
+// q is loaded and widened the same way, so the mma's k order is a permutation of the dims
+// shared by q and the keys.
+template <typename T>
+__device__ __forceinline__ int dim_offset(int s, int t) {
+  return Elem<T>::kBytes == 2 ? 8 * (4 * s + t) : 16 * (4 * s + t);
+}
+template <typename T>
+__device__ __forceinline__ void widen(const uint4 (&raw)[key_loads<T>()], uint4 (&h)[4]) {
+  if constexpr (Elem<T>::kBytes == 2) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) h[s] = raw[s];
+  } else {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      h[2 * s] = detail::fp8x8_to_half8(make_uint2(raw[s].x, raw[s].y));
+      h[2 * s + 1] = detail::fp8x8_to_half8(make_uint2(raw[s].z, raw[s].w));
+    }
+  }
 }
 
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
@@ -571,10 +648,15 @@ __device__ __forceinline__ void select_pairs(const uint32_t* K, int nv, int64_t 
 // without streamed rows runs an instantiation without their code (streamed visits, the
 // distributed select, the row's largest key in global memory), so a short row's last CTA
 // fetches less code.
-template <bool kVec16, bool kStreamed>
+// T: the element type of q and the keys (__half, __nv_bfloat16, __nv_fp8_e4m3).
+// kPageChunks: C is a multiple of 16, so that a warp's 16-block chunk lies in one page.
+template <typename T, bool kStreamed, bool kPageChunks>
 __global__ void __launch_bounds__(kThreads, 1)
-    select_kernel(SelectParams p, int64_t row0, int64_t ncap, uint32_t* __restrict__ keys,
-                  int32_t* __restrict__ counters, uint32_t* __restrict__ dist, bool pairs) {
+    select_kernel(SelectParams p, KeyDiv cdiv, int64_t row0, int64_t ncap,
+                  uint32_t* __restrict__ keys, int32_t* __restrict__ counters,
+                  uint32_t* __restrict__ dist, bool pairs) {
+  constexpr int kLoads = key_loads<T>();
+  constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   __shared__ SelectShared sh;
   detail::grid_dependency_wait();  // before the first global access (a launch with pdl)
   const int64_t rl = blockIdx.y;
@@ -607,12 +689,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   // B fragments: lane (g, t) holds head g's dims 8 (4 s + t) .. + 8 for s < 4 (zero for the
   // padding heads g >= 4). The mma's k order is a permutation of the dims, the same for q
   // and the keys, so the dot products are unchanged.
-  const __half* q = static_cast<const __half*>(p.q) + r * (kIndexHeads * kIndexDim);
+  const T* q = static_cast<const T*>(p.q) + r * (kIndexHeads * kIndexDim);
   uint4 qv[4];
+  {
+    const bool qvec = detail::aligned16(p.q);
+    uint4 qraw[kLoads];
 #pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    qv[s] = load8_pred<kVec16, detail::kFirst>(
-        q + (g < kIndexHeads ? g : 0) * kIndexDim + 8 * (4 * s + t), g < kIndexHeads);
+    for (int s = 0; s < kLoads; ++s) {
+      const T* qs = q + (g < kIndexHeads ? g : 0) * kIndexDim + dim_offset<T>(s, t);
+      if constexpr (Elem<T>::kBytes == 2) {
+        qraw[s] = detail::load8_first_any(qs, qvec, g < kIndexHeads);
+      } else {
+        qraw[s] = load16_first_any(qs, qvec, g < kIndexHeads);
+      }
+    }
+    widen<T>(qraw, qv);
   }
   const bool b_ok = b >= 0 && b < p.requests;
   const int32_t* table = p.page_table + (b_ok ? b : 0) * p.page_table_stride;
@@ -620,11 +711,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t stride = int64_t(gridDim.x) * kGroups * kScoreChunk;
   // The pages of the warp's first four chunks (the table's entries: the row's length is not
   // known yet; j < ncap: the table has the chunk's page, and with M = 0 there is none to read).
-  auto page_first = [&](int64_t j) {
-    return detail::ldg32_pred(table + (j < ncap ? j / kCkPage : 0), b_ok && j < ncap, -1);
+  // kPageChunks: one entry per chunk (a == b); else the pages of this lane's blocks j + g
+  // (a) and j + g + 8 (b).
+  auto lookup = [&](int64_t j, int64_t lim, bool pred) {
+    return detail::ldg32_pred(table + (j < lim ? cdiv.div(j) : 0), pred && j < lim, -1);
   };
-  int64_t ph0 = page_first(wfirst), ph1 = page_first(wfirst + stride);
-  int64_t ph2 = page_first(wfirst + 2 * stride), ph3 = page_first(wfirst + 3 * stride);
+  auto page_first = [&](int64_t j) {
+    if constexpr (kPageChunks) {
+      const int32_t v = lookup(j, ncap, b_ok);
+      return int2{v, v};
+    } else {
+      return int2{lookup(j + g, ncap, b_ok), lookup(j + g + 8, ncap, b_ok)};
+    }
+  };
+  int2 ph0 = page_first(wfirst), ph1 = page_first(wfirst + stride);
+  int2 ph2 = page_first(wfirst + 2 * stride), ph3 = page_first(wfirst + 3 * stride);
   int64_t n = pos1 < len ? pos1 : len;
   n = n > 0 ? n : 0;
   const int64_t nb = n / kRatio;
@@ -632,22 +733,50 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t* row_keys = keys + rl * ncap;
 
   // ---- Scores: each warp scores 16 blocks of one page per iteration -----------------------
-  const __half* ck = static_cast<const __half*>(p.compressed_keys);
+  const T* ck = static_cast<const T*>(p.compressed_keys);
   const uint32_t zero = static_cast<uint32_t>(ncap >> 62);  // ncap < 2^62
+  const int64_t C = cdiv.d;
+  auto usable_page = [&](int64_t ph) { return ph >= 0 && ph < p.pages; };
   // The warp scores blocks j0 + (0..15); lane (g, t) loads rows g and g + 8
-  // (A fragments), dims 8 (4 s + t) .. + 8. NOTES: unpredicated loads of a clamped block
-  // (same page); a clamped block's score is not stored. An unusable page is never read.
-  auto issue = [&](int64_t j0, int64_t ph, uint4(&ra)[4], uint4(&rb)[4]) {
-    const int64_t ja = min(j0 + g, nbv - 1), jb = min(j0 + g + 8, nbv - 1);
-    const __half* pa = ck + (ph * kCkPage + (ja % kCkPage)) * kIndexDim + 8 * t;
-    const __half* pb = ck + (ph * kCkPage + (jb % kCkPage)) * kIndexDim + 8 * t;
+  // (A fragments), dims dim_offset(s, t) .. + 8 (fp8: + 16). NOTES: kPageChunks: unpredicated
+  // loads of a clamped block (same page); a clamped block's score is not stored. An unusable
+  // page is never read (else: each block's load predicated on its own page).
+  auto issue = [&](int64_t j0, int2 ph, uint4(&ra)[kLoads], uint4(&rb)[kLoads]) {
+    if constexpr (kPageChunks) {
+      const int64_t ja = min(j0 + g, nbv - 1), jb = min(j0 + g + 8, nbv - 1);
+      const int64_t base = j0 - cdiv.div(j0) * C;  // the chunk's first row in its page
+      const T* pg = ck + int64_t(ph.x) * p.ck_page_stride;
+      const T* pa = pg + (base + (ja - j0)) * p.ck_row_stride + dim_offset<T>(0, t);
+      const T* pb = pg + (base + (jb - j0)) * p.ck_row_stride + dim_offset<T>(0, t);
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      ra[s] = load8<kVec16>(pa + 32 * s);
-      rb[s] = load8<kVec16>(pb + 32 * s);
+      for (int s = 0; s < kLoads; ++s) {
+        const int o = dim_offset<T>(s, t) - dim_offset<T>(0, t);
+        ra[s] = __ldg(reinterpret_cast<const uint4*>(pa + o));
+        rb[s] = __ldg(reinterpret_cast<const uint4*>(pb + o));
+      }
+    } else {
+      const int64_t ja = j0 + g, jb = j0 + g + 8;
+      const bool oka = usable_page(ph.x), okb = usable_page(ph.y);
+      const T* pa = ck + int64_t(oka ? ph.x : 0) * p.ck_page_stride +
+                    (oka ? ja - cdiv.div(ja) * C : 0) * p.ck_row_stride + dim_offset<T>(0, t);
+      const T* pb = ck + int64_t(okb ? ph.y : 0) * p.ck_page_stride +
+                    (okb ? jb - cdiv.div(jb) * C : 0) * p.ck_row_stride + dim_offset<T>(0, t);
+#pragma unroll
+      for (int s = 0; s < kLoads; ++s) {
+        const int o = dim_offset<T>(s, t) - dim_offset<T>(0, t);
+        ra[s] = detail::ldg16_pred(pa + o, oka);
+        rb[s] = detail::ldg16_pred(pb + o, okb);
+      }
     }
   };
-  auto usable_page = [&](int64_t ph) { return ph >= 0 && ph < p.pages; };
+  // Whether the chunk has anything to read (kPageChunks: its page; else any lane's blocks).
+  auto usable_chunk = [&](int2 ph) {
+    if constexpr (kPageChunks) {
+      return usable_page(ph.x);
+    } else {
+      return __any_sync(0xffffffffu, usable_page(ph.x) || usable_page(ph.y));
+    }
+  };
   // NOTES (v7j, v7t): with 16-byte loads, two chunks are in flight per group: the next chunk's
   // key loads go out before this chunk's mma. The loop is unrolled by two with the buffers'
   // roles swapped (x, y), because a loop-carried copy of the next chunk's registers made the
@@ -655,15 +784,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the warp samples there), i.e. one chunk in flight during every wait. The page-table
   // entries are loaded four chunks ahead. The 2-byte path keeps one chunk (its loads need
   // twice the registers).
-  constexpr bool kPipe = kVec16;
-  uint4 xa[4], xb[4], ya[4], yb[4];
+  constexpr bool kPipe = true;  // keys are 16-byte aligned (contract v2)
+  uint4 xa[kLoads], xb[kLoads], ya[kLoads], yb[kLoads];
   uint32_t kmax = 0;  // the largest key this thread stored
   // Chunk j0 on page ph from (ca, cb); the next chunk (page ph_next) issued into (na, nb4).
-  auto score_step = [&](int64_t j0, int64_t ph, int64_t ph_next, uint4(&ca)[4], uint4(&cb)[4],
-                        uint4(&na)[4], uint4(&nb4)[4]) {
+  auto score_step = [&](int64_t j0, int2 ph, int2 ph_next, uint4(&ca)[kLoads],
+                        uint4(&cb)[kLoads], uint4(&na)[kLoads], uint4(&nb4)[kLoads]) {
     const int64_t j1 = j0 + stride;
-    if (kPipe && j1 < nbv && usable_page(ph_next)) issue(j1, ph_next, na, nb4);
-    if (!usable_page(ph)) {
+    if (kPipe && j1 < nbv && usable_chunk(ph_next)) issue(j1, ph_next, na, nb4);
+    if (!usable_chunk(ph)) {
       // Never read: an unusable block gets key 0 and can never be chosen.
       if (lane < kWarpChunk && j0 + lane < nbv) row_keys[j0 + lane] = 0u;
       return;
@@ -673,15 +802,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     // run time, unknown to the compiler), so that ptxas issues all 8 loads before it.
     uint32_t later = cb[0].x;
 #pragma unroll
-    for (int s = 1; s < 4; ++s) later |= ca[s].x | cb[s].x;
+    for (int s = 1; s < kLoads; ++s) later |= ca[s].x | cb[s].x;
     ca[0].x |= later & zero;
+    uint4 ha[4], hb[4];
+    widen<T>(ca, ha);
+    widen<T>(cb, hb);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
-        mma_16816(acc, word(ca[s], 2 * u), word(cb[s], 2 * u), word(ca[s], 2 * u + 1),
-                  word(cb[s], 2 * u + 1), word(qv[s], 2 * u), word(qv[s], 2 * u + 1));
+        mma_16816<kBf16>(acc, word(ha[s], 2 * u), word(hb[s], 2 * u), word(ha[s], 2 * u + 1),
+                         word(hb[s], 2 * u + 1), word(qv[s], 2 * u), word(qv[s], 2 * u + 1));
       }
     }
     // acc: (block g, heads 2t, 2t+1), (block g + 8, heads 2t, 2t+1); heads >= 4 are zero.
@@ -691,8 +823,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     lo += __shfl_xor_sync(0xffffffffu, lo, 1);
     hi += __shfl_xor_sync(0xffffffffu, hi, 1);
     if (t == 0) {
-      const uint32_t klo = __float_as_uint(lo * kScoreScale) + 1u;
-      const uint32_t khi = __float_as_uint(hi * kScoreScale) + 1u;
+      // kPageChunks: the chunk's page is usable (above); else each block's own page.
+      const bool oka = kPageChunks || usable_page(ph.x), okb = kPageChunks || usable_page(ph.y);
+      const uint32_t klo = oka ? __float_as_uint(lo * kScoreScale) + 1u : 0u;
+      const uint32_t khi = okb ? __float_as_uint(hi * kScoreScale) + 1u : 0u;
       if (j0 + g < nbv) {
         row_keys[j0 + g] = klo;
         kmax = max(kmax, klo);
@@ -704,11 +838,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
   auto page_ahead = [&](int64_t j) {  // loaded inside the loop: only pages of the row
-    return detail::ldg32_pred(table + (j < nbv ? j / kCkPage : 0), j < nbv, -1);
+    if constexpr (kPageChunks) {
+      const int32_t v = lookup(j, nbv, true);
+      return int2{v, v};
+    } else {
+      return int2{lookup(j + g, nbv, true), lookup(j + g + 8, nbv, true)};
+    }
   };
-  if (kPipe && wfirst < nbv && usable_page(ph0)) issue(wfirst, ph0, xa, xb);
+  if (kPipe && wfirst < nbv && usable_chunk(ph0)) issue(wfirst, ph0, xa, xb);
   for (int64_t j0 = wfirst; j0 < nbv; j0 += 2 * stride) {
-    const int64_t ph4 = page_ahead(j0 + 4 * stride), ph5 = page_ahead(j0 + 5 * stride);
+    const int2 ph4 = page_ahead(j0 + 4 * stride), ph5 = page_ahead(j0 + 5 * stride);
     score_step(j0, ph0, ph1, xa, xb, ya, yb);
     if (j0 + stride >= nbv) break;
     score_step(j0 + stride, ph1, ph2, ya, yb, xa, xb);
@@ -775,7 +914,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tid == 0) counters[rl] = 0;  // ready for the next call (and graph replay)
     return;
   }
-  const int nv = static_cast<int>(nbv);  // <= M * 128 <= INT32_MAX (checked by the op)
+  const int nv = static_cast<int>(nbv);  // <= M * C <= INT32_MAX (checked by the op)
   const uint32_t* K = row_keys;
   uint32_t* start = sh.u.f.start;
   uint32_t* cursor = sh.u.f.cursor;
@@ -958,10 +1097,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-int64_t candidate_blocks(int64_t table_width) { return table_width * kCkPage; }
+int64_t candidate_blocks(int64_t table_width, int64_t c) { return table_width * c; }
 
-int64_t group_rows(int64_t rows, int64_t table_width) {
-  const int64_t per_row = std::max<int64_t>(candidate_blocks(table_width), 1) * 4;
+int64_t group_rows(int64_t rows, int64_t table_width, int64_t c) {
+  const int64_t per_row = std::max<int64_t>(candidate_blocks(table_width, c), 1) * 4;
   int64_t g = static_cast<int64_t>(kWorkspaceCap / static_cast<size_t>(per_row));
   g = std::max<int64_t>(g, 1);
   g = std::min<int64_t>(g, kCounterSlots);
@@ -971,13 +1110,28 @@ int64_t group_rows(int64_t rows, int64_t table_width) {
 // A launch whose table can hold more than kTile blocks: its rows may be streamed.
 bool streamed_launch(int64_t ncap) { return ncap > kTile; }
 
-cudaError_t launch_select(const cudaLaunchConfig_t& cfg, bool vec16, const SelectParams& p,
-                          int64_t row0, int64_t ncap, uint32_t* keys, uint32_t* dist,
-                          bool pairs) {
+template <typename T>
+cudaError_t launch_typed(const cudaLaunchConfig_t& cfg, const SelectParams& p,
+                         const KeyDiv& cdiv, int64_t row0, int64_t ncap, uint32_t* keys,
+                         uint32_t* dist, bool pairs) {
+  const bool chunks = p.keys_per_page % kWarpChunk == 0;
   auto* kernel = streamed_launch(ncap)
-                     ? (vec16 ? select_kernel<true, true> : select_kernel<false, true>)
-                     : (vec16 ? select_kernel<true, false> : select_kernel<false, false>);
-  return cudaLaunchKernelEx(&cfg, kernel, p, row0, ncap, keys, p.counters, dist, pairs);
+                     ? (chunks ? select_kernel<T, true, true> : select_kernel<T, true, false>)
+                     : (chunks ? select_kernel<T, false, true> : select_kernel<T, false, false>);
+  return cudaLaunchKernelEx(&cfg, kernel, p, cdiv, row0, ncap, keys, p.counters, dist, pairs);
+}
+
+cudaError_t launch_select(const cudaLaunchConfig_t& cfg, const SelectParams& p,
+                          const KeyDiv& cdiv, int64_t row0, int64_t ncap, uint32_t* keys,
+                          uint32_t* dist, bool pairs) {
+  switch (p.dtype) {
+    case DType::kBFloat16:
+      return launch_typed<__nv_bfloat16>(cfg, p, cdiv, row0, ncap, keys, dist, pairs);
+    case DType::kFloat8E4M3:
+      return launch_typed<__nv_fp8_e4m3>(cfg, p, cdiv, row0, ncap, keys, dist, pairs);
+    default:
+      return launch_typed<__half>(cfg, p, cdiv, row0, ncap, keys, dist, pairs);
+  }
 }
 
 }  // namespace select_impl
@@ -985,41 +1139,46 @@ cudaError_t launch_select(const cudaLaunchConfig_t& cfg, bool vec16, const Selec
 using namespace select_impl;
 
 // Rows of a group that can take the distributed select (v7p): 0 when no row can be streamed.
-int64_t dist_rows(int64_t rows, int64_t table_width) {
-  if (!streamed_launch(candidate_blocks(table_width))) return 0;
-  return std::min<int64_t>(group_rows(rows, table_width), kDistRows);
+int64_t dist_rows(int64_t rows, int64_t table_width, int64_t c) {
+  if (!streamed_launch(candidate_blocks(table_width, c))) return 0;
+  return std::min<int64_t>(group_rows(rows, table_width, c), kDistRows);
 }
 
-size_t key_words(int64_t rows, int64_t table_width) {
-  return static_cast<size_t>(group_rows(rows, table_width)) *
-         static_cast<size_t>(candidate_blocks(table_width));
+size_t key_words(int64_t rows, int64_t table_width, int64_t c) {
+  return static_cast<size_t>(group_rows(rows, table_width, c)) *
+         static_cast<size_t>(candidate_blocks(table_width, c));
 }
 
-size_t select_workspace_bytes(int64_t rows, int64_t table_width) {
-  if (rows <= 0 || table_width <= 0) return 0;
-  const size_t words = key_words(rows, table_width) +
-                       static_cast<size_t>(dist_rows(rows, table_width)) * kDistWords;
+size_t select_workspace_bytes(int64_t rows, int64_t table_width, int64_t c) {
+  if (rows <= 0 || table_width <= 0 || c <= 0) return 0;
+  const size_t words = key_words(rows, table_width, c) +
+                       static_cast<size_t>(dist_rows(rows, table_width, c)) * kDistWords;
   return words * sizeof(uint32_t);
 }
 
 // Arrivals, largest keys, then the pairs select's epoch counters.
 int64_t select_counter_slots() { return kPairsSlot + kPairsMaxRows * kPairsSpread; }
 
-int64_t select_launch_count(int64_t rows, int64_t table_width) {
+int64_t select_launch_count(int64_t rows, int64_t table_width, int64_t c) {
   if (rows <= 0) return 0;
-  const int64_t g = group_rows(rows, table_width);
+  const int64_t g = group_rows(rows, table_width, c);
   return (rows + g - 1) / g;
 }
 
 cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
   if (p.rows <= 0) return cudaSuccess;
-  const int64_t ncap = candidate_blocks(p.table_width);
-  if (p.workspace_bytes < select_workspace_bytes(p.rows, p.table_width) || p.counters == nullptr) {
+  const int64_t c = p.keys_per_page;
+  if (c <= 0 || c > (int64_t(1) << 30) || !detail::aligned16(p.compressed_keys)) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t ncap = candidate_blocks(p.table_width, c);
+  if (p.workspace_bytes < select_workspace_bytes(p.rows, p.table_width, c) ||
+      p.counters == nullptr) {
     return cudaErrorInvalidValue;
   }
   uint32_t* keys = static_cast<uint32_t*>(p.workspace);
-  const bool vec16 = detail::aligned16(p.q) && detail::aligned16(p.compressed_keys);
-  const int64_t g = group_rows(p.rows, p.table_width);
+  const KeyDiv cdiv = make_key_div(c);
+  const int64_t g = group_rows(p.rows, p.table_width, c);
   const int64_t chunks = std::max<int64_t>(1, (ncap + kScoreChunk - 1) / kScoreChunk);
   // The SMs of the stream's partition (the device's, where it is not partitioned).
   const int64_t sms = detail::stream_sm_count(stream, detail::sm_count());
@@ -1052,9 +1211,9 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     // most one CTA per SM.
     uint32_t* dist = nullptr;
     bool pairs = false;
-    if (n <= sms && n <= dist_rows(p.rows, p.table_width) &&
+    if (n <= sms && n <= dist_rows(p.rows, p.table_width, c) &&
         chunks <= kDistPages * kGroups * ctas) {
-      dist = keys + key_words(p.rows, p.table_width);
+      dist = keys + key_words(p.rows, p.table_width, c);
     } else if (!streamed_launch(ncap) && !p.generic_path && n <= kPairsMaxRows &&
                n * ctas <= sms && ctas < int64_t(kPairsEpoch)) {
       pairs = true;
@@ -1063,11 +1222,11 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
       attr[cfg.numAttrs].id = cudaLaunchAttributeCooperative;
       attr[cfg.numAttrs++].val.cooperative = 1;
     }
-    cudaError_t err = launch_select(cfg, vec16, p, row0, ncap, keys, dist, pairs);
+    cudaError_t err = launch_select(cfg, p, cdiv, row0, ncap, keys, dist, pairs);
     if (err == cudaErrorCooperativeLaunchTooLarge) {
       (void)cudaGetLastError();
       --cfg.numAttrs;  // the cooperative attribute is the last
-      err = launch_select(cfg, vec16, p, row0, ncap, keys, nullptr, false);
+      err = launch_select(cfg, p, cdiv, row0, ncap, keys, nullptr, false);
     }
     if (err == cudaSuccess) err = cudaGetLastError();
     if (err != cudaSuccess) return err;

@@ -1,4 +1,11 @@
-// Sparse paged attention over the exact-packed FP16 cache (contract section 2).
+// Sparse paged attention over a paged K/V cache (contract section 2, v2).
+//
+// One kernel family for every layout and dtype: templated on the element type of q/out/gate
+// (QT: __half or __nv_bfloat16) and of the caches (KT: QT or __nv_fp8_e4m3), taking the
+// caches' page and token strides and the page size at run time (K and V each a pointer and
+// two strides: one storage, packed K then V, or two; any page stride, e.g. vLLM's layouts
+// whose page stride spans the other layers). fp8: k_scale is folded into the softmax scale and
+// v_scale into the output. The optional output gate is applied where the output is written.
 //
 // One launch, one of two kernels.
 //
@@ -18,7 +25,9 @@
 // counter per (row, slice), acquire/release, reset by that CTA) merges the clusters' slices
 // in cluster order, so the result never depends on which CTA finishes last.
 #include <cooperative_groups.h>
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <atomic>
@@ -36,23 +45,24 @@ namespace attention_impl {
 
 namespace cg = cooperative_groups;
 using detail::atomic_add_acq_rel_gpu;
-using detail::half8_to_float;
+using detail::Elem;
 using detail::ldg32_pred;
-using detail::load8_pred;
 
 constexpr int kHeads = QSA_ATTN_HEADS;     // 3
 constexpr int kHeadDim = QSA_HEAD_DIM;     // 256
-constexpr int kKvPage = QSA_KV_PAGE;       // 512 tokens per page
 constexpr int kWidth = QSA_WIDTH;          // 2051
-constexpr int kTokenHalves = 2 * kHeadDim; // K then V
-static_assert(kHeadDim == 32 * 8, "a warp of 32 lanes x 8 halves covers one head vector");
+static_assert(kHeadDim == 32 * 8, "a warp of 32 lanes x 8 elements covers one head vector");
 static_assert(kHeads == 3, "partials are laid out for 3 heads");
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 // NOTES: 5 tokens per warp pass fill 15 of the transposed butterfly's 16 values (4 used 12):
-// 10 16-byte loads per lane in flight, a 40-token pass per CTA.
-constexpr int kTokensPerWarp = 5;
+// 10 16-byte loads per lane in flight, a 40-token pass per CTA. fp8 caches: 10 tokens per
+// pass (two butterflies), so that the bytes in flight per lane stay 160 (20 8-byte loads).
+template <typename KT>
+constexpr int tokens_per_warp() {
+  return Elem<KT>::kBytes == 2 ? 5 : 10;
+}
 constexpr int kOut = kHeads * kHeadDim;             // 768 outputs per row
 constexpr int kPartStride = kOut + 8;               // floats: 768 acc, 3 max, 3 sum, 2 pad
 constexpr int kMaxCluster = 8;                      // portable cluster size
@@ -64,7 +74,54 @@ constexpr int kMaxRounds = (kWidth + kThreads - 1) / kThreads;
 constexpr int kSlotCap = kWarps * kMaxRounds * 32;
 constexpr float kLog2e = 1.4426950408889634f;
 static_assert(kThreads == kHeadDim, "the CTA merge gives each thread one dim of every head");
-static_assert(kTokensPerWarp * kHeads <= 16, "one transposed butterfly per pass");
+
+// Division by the page size (runtime): i / d = (i * mul) >> shift for 0 <= i < 2^31
+// (Granlund-Montgomery: shift = 31 + ceil(log2 d), mul = floor(2^shift / d) + 1 < 2^33).
+struct PageDiv {
+  uint64_t mul;
+  uint32_t shift;
+  uint32_t d;
+  __device__ __forceinline__ uint32_t div(uint32_t i) const {
+    return static_cast<uint32_t>((static_cast<uint64_t>(i) * mul) >> shift);
+  }
+};
+inline PageDiv make_page_div(int64_t d) {
+  uint32_t l = 0;
+  while ((int64_t(1) << l) < d) ++l;
+  PageDiv pd;
+  pd.shift = 31 + l;
+  pd.mul = static_cast<uint64_t>(((unsigned __int128)1 << pd.shift) / uint64_t(d)) + 1;
+  pd.d = static_cast<uint32_t>(d);
+  return pd;
+}
+
+// A token's place in the caches: (physical page, slot in the page); page < 0: none.
+struct TokenRef {
+  int32_t page;
+  int32_t slot;
+};
+
+// The epilogue: out = dtype(acc / l * v_scale), then, with a gate,
+// dtype(float(that) * sigmoid(float(gate))). A row without any valid entry (l == 0) is zero.
+template <typename QT>
+__device__ __forceinline__ uint16_t finish_out(float acc, float l, float v_scale, bool gated,
+                                               uint16_t gate_bits) {
+  if (!(l > 0.f)) return Elem<QT>::from_float(0.f);
+  float v = acc / l;
+  if (v_scale != 1.f) v *= v_scale;
+  uint16_t o = Elem<QT>::from_float(v);
+  if (gated) {
+    const float g = Elem<QT>::to_float(gate_bits);
+    const float sig = 1.f / (1.f + expf(-g));
+    o = Elem<QT>::from_float(Elem<QT>::to_float(o) * sig);
+  }
+  return o;
+}
+
+// A gate element, loaded before it is needed (coherent: among a kernel's first loads).
+__device__ __forceinline__ uint16_t load_gate(const void* gate, int64_t o, bool pred) {
+  return pred ? detail::ld16(static_cast<const unsigned short*>(gate) + o) : uint16_t(0);
+}
 
 // Sum each of 16 per-lane values over the warp; returns, in lane L, the sum of value L >> 1.
 __device__ __forceinline__ float warp_reduce16(const float (&v)[16], int lane) {
@@ -90,26 +147,37 @@ __device__ __forceinline__ float warp_reduce16(const float (&v)[16], int lane) {
 }
 
 // Per-warp pieces of both kernels. Lane L covers dims [8 L, 8 L + 8) of every head.
-template <bool kVec16>
-__device__ __forceinline__ void load_q(const void* q_base, int64_t r, int lane,
+// q is 2-byte (fp16/bf16): 16-byte loads where it is 16-byte aligned (vec16), else 2-byte.
+__device__ __forceinline__ void load_q(const void* q_base, int64_t r, int lane, bool vec16,
                                        uint4 (&qraw)[kHeads]) {
   const __half* q = static_cast<const __half*>(q_base) + r * (kHeads * kHeadDim);
 #pragma unroll
   for (int h = 0; h < kHeads; ++h) {
-    qraw[h] = load8_pred<kVec16, detail::kFirst>(q + h * kHeadDim + lane * 8, true);
+    qraw[h] = detail::load8_first_any(q + h * kHeadDim + lane * 8, vec16, true);
   }
 }
 
+template <typename QT>
 __device__ __forceinline__ void q_to_float(const uint4 (&qraw)[kHeads], float (&qf)[kHeads][8]) {
 #pragma unroll
-  for (int h = 0; h < kHeads; ++h) half8_to_float(qraw[h], qf[h]);
+  for (int h = 0; h < kHeads; ++h) Elem<QT>::to_float8(qraw[h], qf[h]);
+}
+
+// This lane's 8 elements of a token's K or V (kv: the cache's base, already offset to the
+// lane's dims; `off` in elements).
+template <typename KT>
+__device__ __forceinline__ typename Elem<KT>::Raw load_kv(const KT* base, int64_t off,
+                                                          bool pred) {
+  return detail::load_raw8<KT>(base + off, pred);
 }
 
 // This lane's partial dot products of one token's K with the 3 heads.
-__device__ __forceinline__ void partial_dots(const float (&qf)[kHeads][8], const uint4& kraw,
+template <typename KT>
+__device__ __forceinline__ void partial_dots(const float (&qf)[kHeads][8],
+                                             const typename Elem<KT>::Raw& kraw,
                                              float (&dot)[kHeads]) {
   float kf[8];
-  half8_to_float(kraw, kf);
+  Elem<KT>::to_float8(kraw, kf);
 #pragma unroll
   for (int h = 0; h < kHeads; ++h) {
     float d0 = 0.f;
@@ -120,10 +188,11 @@ __device__ __forceinline__ void partial_dots(const float (&qf)[kHeads][8], const
 }
 
 // acc[h] += w[h] * V (this lane's 8 dims).
-__device__ __forceinline__ void accumulate_v(const uint4& vraw, const float (&w)[kHeads],
-                                             float (&acc)[kHeads][8]) {
+template <typename KT>
+__device__ __forceinline__ void accumulate_v(const typename Elem<KT>::Raw& vraw,
+                                             const float (&w)[kHeads], float (&acc)[kHeads][8]) {
   float vf[8];
-  half8_to_float(vraw, vf);
+  Elem<KT>::to_float8(vraw, vf);
 #pragma unroll
   for (int h = 0; h < kHeads; ++h) {
 #pragma unroll
@@ -151,7 +220,7 @@ __device__ __forceinline__ void publish_warp(const float (&acc)[kHeads][8],
 }
 
 struct AttnShared {
-  int32_t slots[kSlotCap];             // resolved cache slots (phys * 512 + i % 512)
+  TokenRef slots[kSlotCap];            // resolved cache slots (physical page, slot)
   int warp_count[kWarps];
   float acc[kWarps][kOut];             // per-warp unnormalised outputs
   float m[kWarps][kHeads];
@@ -173,21 +242,41 @@ __device__ __forceinline__ void cluster_wait_acquire() {
 // kDeep: a grid of at most one CTA per SM; each warp has two passes in flight (the next
 // pass's K/V loads go out before this pass's compute), in the registers that a second
 // resident CTA would otherwise hold.
-template <bool kVec16, bool kDeep>
+// QT: q/out/gate element type; KT: the caches' (QT or fp8-e4m3).
+template <typename QT, typename KT, bool kDeep>
 __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
-    attention_kernel(AttentionParams p, int splits, int csize, float* __restrict__ parts) {
+    attention_kernel(AttentionParams p, PageDiv pdiv, int splits, int csize,
+                     float* __restrict__ parts) {
+  constexpr int kTokensPerWarp = tokens_per_warp<KT>();
+  constexpr int kValues = kTokensPerWarp * kHeads;  // partial dots per lane and pass
+  constexpr int kReduce = (kValues + 15) / 16;      // transposed butterflies per pass
+  using Raw = typename Elem<KT>::Raw;
   __shared__ AttnShared sh;
   detail::grid_dependency_wait();  // before the first global access (a launch with pdl)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t r = blockIdx.x;
   const int s = blockIdx.y;
+  const bool gated = p.gate != nullptr;
 
   // ---- Everything that does not depend on a load is issued first ------------------------
   // q (3 x 16 B per lane), token_to_req and this warp's index columns go out together; the
   // page-table reads follow in one batch; then the K/V of the first pass.
   uint4 qraw[kHeads];
-  load_q<kVec16>(p.q, r, lane, qraw);
+  load_q(p.q, r, lane, detail::aligned16(p.q), qraw);
   const int64_t b = ldg32_pred<detail::kFirst>(p.token_to_req + r, true, -1);
+  // The gate elements this thread writes (splits == 1: dim tid of each head; else its
+  // outputs of the cluster rank's slice), loaded now so that the epilogue does not wait.
+  uint16_t gbits[kHeads];
+  {
+    const int csz = splits == 1 ? 1 : csize;
+    const int rank = s % csz;
+    const int o_lo = rank * kOut / csz, o_hi = (rank + 1) * kOut / csz;
+#pragma unroll
+    for (int u = 0; u < kHeads; ++u) {
+      const int o = splits == 1 ? u * kHeadDim + tid : o_lo + tid + u * kThreads;
+      gbits[u] = load_gate(p.gate, r * kOut + o, gated && o < o_hi);
+    }
+  }
 
   const int c_lo = static_cast<int>((int64_t(s) * kWidth) / splits);
   const int c_hi = static_cast<int>((int64_t(s + 1) * kWidth) / splits);
@@ -205,12 +294,14 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
   }
   const bool row_ok = b >= 0 && b < p.requests;
   const int32_t* table = p.page_table + (row_ok ? b : 0) * p.page_table_stride;
-  int32_t ph[kMaxRounds];
+  int32_t ph[kMaxRounds], tok[kMaxRounds];
 #pragma unroll
   for (int it = 0; it < kMaxRounds; ++it) {
     const int32_t i = li[it];
-    const bool want = row_ok && i >= 0 && i / kKvPage < p.table_width;
-    ph[it] = ldg32_pred(table + (want ? i / kKvPage : 0), want, -1);
+    const uint32_t lp = pdiv.div(static_cast<uint32_t>(i >= 0 ? i : 0));
+    tok[it] = i - static_cast<int32_t>(lp * pdiv.d);
+    const bool want = row_ok && i >= 0 && lp < p.table_width;
+    ph[it] = ldg32_pred(table + (want ? lp : 0), want, -1);
   }
   // Warp w compacts the valid entries of its column segment, in column order, into its own
   // region sh.slots[w * seg ...]; token g of the CTA is then found through the warp bases.
@@ -221,10 +312,8 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
     for (int it = 0; it < kMaxRounds; ++it) {
       if (it < rounds) {  // warp-uniform
         const bool ok = ph[it] >= 0 && ph[it] < p.pages;
-        // < P * 512 <= INT32_MAX (checked by the caller)
-        const int32_t slot = ph[it] * kKvPage + (li[it] % kKvPage);
         const unsigned bits = __ballot_sync(0xffffffffu, ok);
-        if (ok) sh.slots[warp * seg + count + __popc(bits & lt)] = slot;
+        if (ok) sh.slots[warp * seg + count + __popc(bits & lt)] = TokenRef{ph[it], tok[it]};
         count += __popc(bits);
       }
     }
@@ -249,8 +338,9 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
   // ---- Online softmax: warp w takes tokens it*40 + w*5 + t --------------------------------
   // Lane covers dims [8 lane, 8 lane + 8) of every head.
   float qf[kHeads][8];
-  q_to_float(qraw, qf);
-  const float scale_log2 = p.softmax_scale * kLog2e;
+  q_to_float<QT>(qraw, qf);
+  // fp8: k_scale folded into the softmax scale (1 otherwise: the same float).
+  const float scale_log2 = p.softmax_scale * p.k_scale * kLog2e;
   float m[kHeads], l[kHeads], acc[kHeads][8];
 #pragma unroll
   for (int h = 0; h < kHeads; ++h) {
@@ -259,49 +349,71 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
 #pragma unroll
     for (int d = 0; d < 8; ++d) acc[h][d] = 0.f;
   }
-  const __half* kv = static_cast<const __half*>(p.kv);
-  auto issue = [&](int g0, uint4(&kr)[kTokensPerWarp], uint4(&vr)[kTokensPerWarp]) {
-    int slot[kTokensPerWarp];
-#pragma unroll
-    for (int t = 0; t < kTokensPerWarp; ++t) slot[t] = g0 + t < total ? slot_of(g0 + t) : 0;
+  const KT* kbase = static_cast<const KT*>(p.k_cache) + lane * 8;
+  const KT* vbase = static_cast<const KT*>(p.v_cache) + lane * 8;
+  auto issue = [&](int g0, Raw(&kr)[kTokensPerWarp], Raw(&vr)[kTokensPerWarp]) {
+    TokenRef ref[kTokensPerWarp];
+#if QSA_ATTN_SLOT_BCAST
+    // lane t < kTokensPerWarp finds token g0 + t's slot; the warp takes them by shuffles
+    const TokenRef own =
+        lane < kTokensPerWarp && g0 + lane < total ? slot_of(g0 + lane) : TokenRef{0, 0};
 #pragma unroll
     for (int t = 0; t < kTokensPerWarp; ++t) {
-      const __half* tok = kv + int64_t(slot[t]) * kTokenHalves + lane * 8;
-      kr[t] = load8_pred<kVec16>(tok, g0 + t < total);
-      vr[t] = load8_pred<kVec16>(tok + kHeadDim, g0 + t < total);
+      ref[t].page = __shfl_sync(0xffffffffu, own.page, t);
+      ref[t].slot = __shfl_sync(0xffffffffu, own.slot, t);
+    }
+#else
+#pragma unroll
+    for (int t = 0; t < kTokensPerWarp; ++t) {
+      ref[t] = g0 + t < total ? slot_of(g0 + t) : TokenRef{0, 0};
+    }
+#endif
+#pragma unroll
+    for (int t = 0; t < kTokensPerWarp; ++t) {
+      const int64_t koff = int64_t(ref[t].page) * p.k_page_stride +
+                           int64_t(ref[t].slot) * p.k_token_stride;
+      const int64_t voff = int64_t(ref[t].page) * p.v_page_stride +
+                           int64_t(ref[t].slot) * p.v_token_stride;
+      kr[t] = load_kv<KT>(kbase, koff, g0 + t < total);
+      vr[t] = load_kv<KT>(vbase, voff, g0 + t < total);
     }
   };
   constexpr int kPass = kWarps * kTokensPerWarp;
-  uint4 kraw[kTokensPerWarp], vraw[kTokensPerWarp];
+  Raw kraw[kTokensPerWarp], vraw[kTokensPerWarp];
   if (kDeep && warp * kTokensPerWarp < total) issue(warp * kTokensPerWarp, kraw, vraw);
   for (int g0 = warp * kTokensPerWarp; g0 < total; g0 += kPass) {
-    uint4 knext[kTokensPerWarp], vnext[kTokensPerWarp];
+    Raw knext[kTokensPerWarp], vnext[kTokensPerWarp];
     if (kDeep) {
       if (g0 + kPass < total) issue(g0 + kPass, knext, vnext);
     } else {
       issue(g0, kraw, vraw);
     }
     // Partial dots of this lane's 8 dims: value v = t * 3 + h (15 of 16; 15 stays 0).
-    float part[16];
+    float part[kReduce][16];
 #pragma unroll
-    for (int v = 0; v < 16; ++v) part[v] = 0.f;
+    for (int v = 0; v < kReduce * 16; ++v) part[v / 16][v % 16] = 0.f;
 #pragma unroll
     for (int t = 0; t < kTokensPerWarp; ++t) {
       float dot[kHeads];
-      partial_dots(qf, kraw[t], dot);
+      partial_dots<KT>(qf, kraw[t], dot);
 #pragma unroll
-      for (int h = 0; h < kHeads; ++h) part[t * kHeads + h] = dot[h];
+      for (int h = 0; h < kHeads; ++h) {
+        part[(t * kHeads + h) / 16][(t * kHeads + h) % 16] = dot[h];
+      }
     }
     // NOTES: transposed butterfly: 16 values over 32 lanes in 8+4+2+1+1 = 16 shuffles (15
     // independent warp_sums would take 75, in chains of 5); lane L ends with the full sum of
     // value L >> 1, then 15 broadcasts hand every lane all scores.
-    const float full = warp_reduce16(part, lane);
+    float full[kReduce];
+#pragma unroll
+    for (int u = 0; u < kReduce; ++u) full[u] = warp_reduce16(part[u], lane);
     float sc[kTokensPerWarp][kHeads];
 #pragma unroll
     for (int t = 0; t < kTokensPerWarp; ++t) {
 #pragma unroll
       for (int h = 0; h < kHeads; ++h) {
-        const float dot = __shfl_sync(0xffffffffu, full, 2 * (t * kHeads + h));
+        const int v = t * kHeads + h;
+        const float dot = __shfl_sync(0xffffffffu, full[v / 16], 2 * (v % 16));
         sc[t][h] = (g0 + t < total) ? dot * scale_log2 : -INFINITY;
       }
     }
@@ -324,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
       float w[kHeads];
 #pragma unroll
       for (int h = 0; h < kHeads; ++h) w[h] = exp2f(sc[t][h] - m[h]);
-      accumulate_v(vraw[t], w, acc);
+      accumulate_v<KT>(vraw[t], w, acc);
     }
     if (kDeep) {
 #pragma unroll
@@ -360,12 +472,11 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
     cta_acc[h] = aa;
   }
 
-  __half* out = static_cast<__half*>(p.out) + r * kOut;
+  uint16_t* out = static_cast<uint16_t*>(p.out) + r * kOut;
   if (splits == 1) {
 #pragma unroll
     for (int h = 0; h < kHeads; ++h) {
-      const float v = cta_l[h] > 0.f ? cta_acc[h] / cta_l[h] : 0.f;
-      out[h * kHeadDim + tid] = __float2half_rn(v);
+      out[h * kHeadDim + tid] = finish_out<QT>(cta_acc[h], cta_l[h], p.v_scale, gated, gbits[h]);
     }
     return;
   }
@@ -390,6 +501,7 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
   const int o_hi = (rank + 1) * kOut / csize;
   constexpr int kSlice = (kOut + 1) / 2;  // csize >= 2: at most 384 outputs per CTA
   constexpr int kPer = (kSlice + kThreads - 1) / kThreads;
+  static_assert(kPer <= kHeads, "the preloaded gate elements cover the slice");
   float mo[kPer], lo[kPer], ao[kPer];
 #pragma unroll
   for (int u = 0; u < kPer; ++u) {
@@ -423,7 +535,7 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
 #pragma unroll
     for (int u = 0; u < kPer; ++u) {
       const int o = o_lo + tid + u * kThreads;
-      if (o < o_hi) out[o] = __float2half_rn(lo[u] > 0.f ? ao[u] / lo[u] : 0.f);
+      if (o < o_hi) out[o] = finish_out<QT>(ao[u], lo[u], p.v_scale, gated, gbits[u]);
     }
   } else {
     // ---- Several clusters: publish the slice; the last cluster for it merges ------------
@@ -464,7 +576,7 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
               aa += __ldcg(pc + o) * f;
             }
           }
-          out[o] = __float2half_rn(ll > 0.f ? aa / ll : 0.f);
+          out[o] = finish_out<QT>(aa, ll, p.v_scale, gated, gbits[u]);
         }
       }
       if (tid == 0) *counter = 0;  // ready for the next call (and graph replay)
@@ -513,9 +625,11 @@ struct SmallShared {
 };
 
 // kW warps of kT tokens each.
-template <bool kVec16, int kW, int kT>
+template <typename QT, typename KT, int kW, int kT>
 __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
-    attention_small_kernel(AttentionParams p, int splits, int mergers, float* __restrict__ parts) {
+    attention_small_kernel(AttentionParams p, PageDiv pdiv, int splits, int mergers,
+                           float* __restrict__ parts) {
+  using Raw = typename Elem<KT>::Raw;
   constexpr int kThreadsS = kW * 32;
   constexpr int kCols = kW * kT;
   constexpr int kValues = kT * kHeads;           // partial dots per lane
@@ -531,8 +645,12 @@ __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
   // Level 1: q, token_to_req and the warp's index columns together; level 2: the page-table
   // entries; level 3: every K/V line of the warp.
   uint4 qraw[kHeads];
-  load_q<kVec16>(p.q, r, lane, qraw);
+  load_q(p.q, r, lane, detail::aligned16(p.q), qraw);
   const int64_t b = ldg32_pred<detail::kFirst>(p.token_to_req + r, true, -1);
+  // The gate element this CTA's merge writes (a merger's first slice; see the merge).
+  const bool gated = p.gate != nullptr;
+  const uint16_t gbit0 =
+      load_gate(p.gate, r * kOut + s * kMergeCols + tid, gated && s < mergers && tid < kMergeCols);
   const int col = s * kCols + warp * kT + lane;
   const bool have = lane < kT && col < kWidth;
   const int32_t li =
@@ -540,21 +658,24 @@ __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
                                  have, -1);
   const bool row_ok = b >= 0 && b < p.requests;
   const int32_t* table = p.page_table + (row_ok ? b : 0) * p.page_table_stride;
-  const bool want = row_ok && li >= 0 && li / kKvPage < p.table_width;
-  const int32_t ph = ldg32_pred(table + (want ? li / kKvPage : 0), want, -1);
-  // < P * 512 <= INT32_MAX (checked by the caller)
-  const int32_t my_slot = (ph >= 0 && ph < p.pages) ? ph * kKvPage + li % kKvPage : -1;
+  const uint32_t lp = pdiv.div(static_cast<uint32_t>(li >= 0 ? li : 0));
+  const int32_t my_tok = li - static_cast<int32_t>(lp * pdiv.d);
+  const bool want = row_ok && li >= 0 && lp < p.table_width;
+  const int32_t ph = ldg32_pred(table + (want ? lp : 0), want, -1);
+  const int32_t my_page = (ph >= 0 && ph < p.pages) ? ph : -1;
 
-  const __half* kv = static_cast<const __half*>(p.kv);
-  uint4 kraw[kT], vraw[kT];
+  const KT* kbase = static_cast<const KT*>(p.k_cache) + lane * 8;
+  const KT* vbase = static_cast<const KT*>(p.v_cache) + lane * 8;
+  Raw kraw[kT], vraw[kT];
   bool valid[kT];
 #pragma unroll
   for (int j = 0; j < kT; ++j) {
-    const int32_t slot = __shfl_sync(0xffffffffu, my_slot, j);
-    valid[j] = slot >= 0;
-    const __half* tok = kv + int64_t(valid[j] ? slot : 0) * kTokenHalves + lane * 8;
-    kraw[j] = load8_pred<kVec16>(tok, valid[j]);
-    vraw[j] = load8_pred<kVec16>(tok + kHeadDim, valid[j]);
+    const int32_t page = __shfl_sync(0xffffffffu, my_page, j);
+    const int32_t slot = __shfl_sync(0xffffffffu, my_tok, j);
+    valid[j] = page >= 0;
+    const int64_t pg = valid[j] ? page : 0, sl = valid[j] ? slot : 0;
+    kraw[j] = load_kv<KT>(kbase, pg * p.k_page_stride + sl * p.k_token_stride, valid[j]);
+    vraw[j] = load_kv<KT>(vbase, pg * p.v_page_stride + sl * p.v_token_stride, valid[j]);
   }
   {
     // NOTES: the first use is made to depend on every load (`zero` is 0 at run time, unknown
@@ -568,7 +689,7 @@ __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
   }
 
   float qf[kHeads][8];
-  q_to_float(qraw, qf);
+  q_to_float<QT>(qraw, qf);
   // value v = j * 3 + h of this lane's 8 dims
   float part[kReduce][16];
 #pragma unroll
@@ -576,14 +697,14 @@ __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
 #pragma unroll
   for (int j = 0; j < kT; ++j) {
     float dot[kHeads];
-    partial_dots(qf, kraw[j], dot);
+    partial_dots<KT>(qf, kraw[j], dot);
 #pragma unroll
     for (int h = 0; h < kHeads; ++h) part[(j * kHeads + h) / 16][(j * kHeads + h) % 16] = dot[h];
   }
   float full[kReduce];
 #pragma unroll
   for (int u = 0; u < kReduce; ++u) full[u] = warp_reduce16(part[u], lane);
-  const float scale_log2 = p.softmax_scale * kLog2e;
+  const float scale_log2 = p.softmax_scale * p.k_scale * kLog2e;  // fp8: k_scale folded in
   float sc[kT][kHeads];
 #pragma unroll
   for (int j = 0; j < kT; ++j) {
@@ -611,7 +732,7 @@ __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
     for (int d = 0; d < 8; ++d) acc[h][d] = 0.f;
   }
 #pragma unroll
-  for (int j = 0; j < kT; ++j) accumulate_v(vraw[j], sc[j], acc);
+  for (int j = 0; j < kT; ++j) accumulate_v<KT>(vraw[j], sc[j], acc);
 
   // ---- The CTA's partial: its warps merged in warp order ----------------------------------
   publish_warp(acc, m, l, sh.acc[warp], sh.m[warp], sh.l[warp], lane);
@@ -661,7 +782,7 @@ __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
   if (tid == 0) detail::epoch_wait(counter, before, kSmallEpoch);
   __syncthreads();
   const float* row_parts = parts + r * splits * kPartStride;
-  __half* out = static_cast<__half*>(p.out) + r * kOut;
+  uint16_t* out = static_cast<uint16_t*>(p.out) + r * kOut;
   const int g = warp;  // splits g, g + kW, ...
   const int i = lane;  // output of the slice
   for (int slice = s; slice < kMergeSlices; slice += mergers) {
@@ -706,7 +827,9 @@ __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
           a2 += sh.ga[w][tid] * f;
         }
       }
-      out[slice * kMergeCols + tid] = __float2half_rn(l2 > 0.f ? a2 / l2 : 0.f);
+      const int64_t o = slice * kMergeCols + tid;
+      const uint16_t gb = slice == s ? gbit0 : load_gate(p.gate, r * kOut + o, gated);
+      out[o] = finish_out<QT>(a2, l2, p.v_scale, gated, gb);
     }
     __syncthreads();
   }
@@ -744,14 +867,25 @@ int64_t small_per_sm(int device) {
   int64_t n = cached[device].load(std::memory_order_relaxed);
   if (n == 0) {
     int a = 0, b = 0;  // both variants: the unaligned one may hold more registers
+    // every instantiation: the fp8 ones may hold more registers
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &a, attention_small_kernel<true, 8, kT>, 8 * 32, 0) != cudaSuccess ||
+            &a, attention_small_kernel<__half, __half, 8, kT>, 8 * 32, 0) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &b, attention_small_kernel<false, 8, kT>, 8 * 32, 0) != cudaSuccess) {
+            &b, attention_small_kernel<__half, __nv_fp8_e4m3, 8, kT>, 8 * 32, 0) != cudaSuccess) {
       (void)cudaGetLastError();
       a = b = 0;
     }
-    n = int64_t(std::max(std::min(a, b), 0)) + 1;  // 0 = not asked yet
+    int c = 0, d = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &c, attention_small_kernel<__nv_bfloat16, __nv_bfloat16, 8, kT>, 8 * 32, 0) !=
+            cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &d, attention_small_kernel<__nv_bfloat16, __nv_fp8_e4m3, 8, kT>, 8 * 32, 0) !=
+            cudaSuccess) {
+      (void)cudaGetLastError();
+      c = d = 0;
+    }
+    n = int64_t(std::max(std::min(std::min(a, b), std::min(c, d)), 0)) + 1;  // 0 = not asked yet
     cached[device].store(n, std::memory_order_relaxed);
   }
   return n - 1;
@@ -767,21 +901,36 @@ Path choose_path(int64_t rows, int requested, int device, int64_t sms) {
   return fits4 ? Path::kSmall4 : Path::kCluster;
 }
 
+// The instantiation for the params' dtypes: f(QT, KT) with tag objects.
+template <typename F>
+cudaError_t with_types(const AttentionParams& p, F&& f) {
+  const bool fp8 = p.kv_dtype == DType::kFloat8E4M3;
+  if (p.dtype == DType::kBFloat16) {
+    return fp8 ? f(__nv_bfloat16(), __nv_fp8_e4m3()) : f(__nv_bfloat16(), __nv_bfloat16());
+  }
+  return fp8 ? f(__half(), __nv_fp8_e4m3()) : f(__half(), __half());
+}
+
 template <int kW, int kT>
-cudaError_t launch_small(const cudaLaunchConfig_t& cfg, bool vec16, const AttentionParams& p,
-                         int splits, int mergers, float* parts) {
-  return vec16 ? cudaLaunchKernelEx(&cfg, attention_small_kernel<true, kW, kT>, p, splits,
-                                    mergers, parts)
-               : cudaLaunchKernelEx(&cfg, attention_small_kernel<false, kW, kT>, p, splits,
-                                    mergers, parts);
+cudaError_t launch_small(const cudaLaunchConfig_t& cfg, const AttentionParams& p,
+                         const PageDiv& pdiv, int splits, int mergers, float* parts) {
+  return with_types(p, [&](auto qt, auto kt) {
+    using QT = decltype(qt);
+    using KT = decltype(kt);
+    return cudaLaunchKernelEx(&cfg, attention_small_kernel<QT, KT, kW, kT>, p, pdiv, splits,
+                              mergers, parts);
+  });
 }
 
 template <bool kDeep>
-cudaError_t launch_cluster(const cudaLaunchConfig_t& cfg, bool vec16, const AttentionParams& p,
-                           int splits, int csize, float* parts) {
-  return vec16 ? cudaLaunchKernelEx(&cfg, attention_kernel<true, kDeep>, p, splits, csize, parts)
-               : cudaLaunchKernelEx(&cfg, attention_kernel<false, kDeep>, p, splits, csize,
-                                    parts);
+cudaError_t launch_cluster(const cudaLaunchConfig_t& cfg, const AttentionParams& p,
+                           const PageDiv& pdiv, int splits, int csize, float* parts) {
+  return with_types(p, [&](auto qt, auto kt) {
+    using QT = decltype(qt);
+    using KT = decltype(kt);
+    return cudaLaunchKernelEx(&cfg, attention_kernel<QT, KT, kDeep>, p, pdiv, splits, csize,
+                              parts);
+  });
 }
 
 
@@ -862,7 +1011,13 @@ cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream
     path = Path::kCluster;
     splits = cluster_splits(p.rows, p.splits, sms);
   }
-  const bool vec16 = detail::aligned16(p.q) && detail::aligned16(p.kv);
+  if (p.page_size <= 0 || p.page_size > (int64_t(1) << 30) || p.k_cache == nullptr ||
+      p.v_cache == nullptr || !detail::aligned16(p.k_cache) || !detail::aligned16(p.v_cache) ||
+      (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) ||
+      (p.kv_dtype != p.dtype && p.kv_dtype != DType::kFloat8E4M3)) {
+    return cudaErrorInvalidValue;
+  }
+  const PageDiv pdiv = make_page_div(p.page_size);
   float* parts = static_cast<float*>(p.workspace);
   cudaLaunchConfig_t cfg = {};
   cfg.dynamicSmemBytes = 0;
@@ -877,8 +1032,8 @@ cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream
     attr[cfg.numAttrs].id = cudaLaunchAttributeCooperative;  // the mergers wait for the others
     attr[cfg.numAttrs++].val.cooperative = 1;
     const int mergers = std::min(splits, kMergeSlices);
-    err = path == Path::kSmall4 ? launch_small<8, 4>(cfg, vec16, p, splits, mergers, parts)
-                                : launch_small<8, 8>(cfg, vec16, p, splits, mergers, parts);
+    err = path == Path::kSmall4 ? launch_small<8, 4>(cfg, p, pdiv, splits, mergers, parts)
+                                : launch_small<8, 8>(cfg, p, pdiv, splits, mergers, parts);
     if (err != cudaErrorCooperativeLaunchTooLarge) {
       if (err != cudaSuccess) return err;
       return cudaGetLastError();
@@ -902,8 +1057,8 @@ cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream
   // NOTES: at most one CTA per SM (the split rule's grids from 9 to 132 rows): the deep
   // variant (NOTES-kernels.md, v9a).
   const bool deep = p.rows * splits <= sms;
-  err = deep ? launch_cluster<true>(cfg, vec16, p, splits, csize, parts)
-             : launch_cluster<false>(cfg, vec16, p, splits, csize, parts);
+  err = deep ? launch_cluster<true>(cfg, p, pdiv, splits, csize, parts)
+             : launch_cluster<false>(cfg, p, pdiv, splits, csize, parts);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }

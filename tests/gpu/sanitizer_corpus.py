@@ -65,6 +65,16 @@ def select_corpus():
     )  # fmt: skip
     # one such row: every CTA of it takes part in the select (the distributed select)
     yield distributed_row_case(DEVICE)
+    # contract v2: every layout (dtypes, keys per page, spanning page strides, strided rows)
+    # with bad values, short rows and rows of more than SMs
+    for i, (name, layout) in enumerate(testing.LAYOUTS.items()):
+        if layout == testing.SEED:
+            continue
+        for R, M, P in ((5, 4, 6), (140, 3, 5)):
+            yield testing.random_select_case(
+                R, 3, M, P, device=DEVICE, seed=100 + i, integer=True, layout=layout,
+                name=f"{name} R={R}",
+            )  # fmt: skip
 
 
 def attention_corpus():
@@ -80,13 +90,21 @@ def attention_corpus():
     yield testing.random_attention_case(2, 2, 0, 3, device=DEVICE, seed=3, name="M=0")
     yield testing.random_attention_case(2, 0, 3, 3, device=DEVICE, seed=4, name="B=0")
     yield testing.random_attention_case(0, 1, 3, 3, device=DEVICE, seed=5, name="R=0")
-    yield testing.random_attention_case(2, 2, 3, 5, device=DEVICE, seed=6, lead=3, name="unaligned")
+    # a non-zero storage offset (16 bytes: contract v2's caches are 16-byte aligned)
+    yield testing.random_attention_case(2, 2, 3, 5, device=DEVICE, seed=6, lead=8, name="offset")
     # the decode-size kernel's two variants, the cluster kernel deep (64) and not (300)
     for R in (1, 2, 7, 8, 64, 300):
         yield testing.random_attention_case(R, 3, 6, 9, device=DEVICE, seed=R)
-    yield testing.random_attention_case(
-        6, 3, 6, 9, device=DEVICE, seed=7, lead=3, name="unaligned R=6"
-    )
+    # contract v2: every layout (bfloat16, float8 K/V, vLLM's pages and spanning strides,
+    # separate K/V, strided rows, the gate) on the decode-size and cluster kernels
+    for i, (name, layout) in enumerate(testing.LAYOUTS.items()):
+        if layout == testing.SEED:
+            continue
+        for R in (2, 7, 64):
+            yield testing.random_attention_case(
+                R, 3, 6, 9, device=DEVICE, seed=200 + 10 * i + R, layout=layout,
+                name=f"{name} R={R}",
+            )  # fmt: skip
 
 
 def update_corpus():
@@ -139,7 +157,7 @@ def run_select() -> int:
 def run_attention() -> int:
     n = 0
     for case in attention_corpus():
-        qsa_ops.sparse_paged_attention(*case.args())
+        qsa_ops.sparse_paged_attention(*case.args(), **case.kwargs())
         testing.check_attention(case, case.out)
         n += 1
     return n

@@ -141,8 +141,8 @@ def test_opcheck_select_cuda(cuda_backend):
 @pytest.mark.parametrize("scale", [None, 0.1])
 def test_opcheck_attention_cuda(cuda_backend, scale):
     case = testing.make_attention_case("holes_dups_cross_page", 2, DEVICE)
-    args = case.op_args()[:-1] + (scale,)
-    torch.library.opcheck(torch.ops.qsa.sparse_paged_attention.default, args)
+    args = case.args()[:-1] + (scale,)
+    torch.library.opcheck(torch.ops.qsa.sparse_paged_attention.default, args, case.kwargs())
 
 
 def test_library_reports_its_build(cuda_backend):
