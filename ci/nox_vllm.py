@@ -40,7 +40,11 @@ PATCHED_FILES = (
     "vllm/model_executor/models/registry.py",
     "vllm/model_executor/models/config.py",
     "vllm/model_executor/models/qwen38_qsa.py",
+    "vllm/models/qwen4_exp/__init__.py",
 )
+# The directories of the wheel that hold them (what `overlay` unpacks to check the patch).
+PATCHED_DIRS = ("vllm/model_executor/models/", "vllm/models/qwen4_exp/")
+QWEN4EXP_ROUTE = "from custom_esimd_kernels_vllm.vllm import qwen4exp as qsa_routing"
 
 
 def cuda_host() -> bool:
@@ -116,6 +120,8 @@ def verify_overlay(tree: Path) -> None:
         raise RuntimeError("patched registry.py does not register Qwen38QSAForCausalLM")
     if '"Qwen38QSAForCausalLM": Qwen38QSAForCausalLMConfig' not in config:
         raise RuntimeError("patched config.py does not map Qwen38QSAForCausalLM to its hook")
+    if QWEN4EXP_ROUTE not in (tree / PATCHED_FILES[3]).read_text():
+        raise RuntimeError("patched qwen4_exp/__init__.py does not route QSA to our operators")
 
 
 def _wheel_tree(session, scratch: Path) -> Path:
@@ -130,7 +136,7 @@ def _wheel_tree(session, scratch: Path) -> Path:
         raise RuntimeError(f"downloaded {wheel.name}, expected vLLM {VLLM_VERSION}")
     tree = scratch / "tree"
     with zipfile.ZipFile(wheel) as zf:
-        members = [m for m in zf.namelist() if m.startswith("vllm/model_executor/models/")]
+        members = [m for m in zf.namelist() if m.startswith(PATCHED_DIRS)]
         zf.extractall(tree, members)
     return tree
 

@@ -3,9 +3,9 @@
 vLLM calls ``register()`` in every process it starts (API server, engine core, workers):
 it registers the ``Qwen38QSAForCausalLM`` architecture (imported lazily, when a checkpoint
 asks for it), its config hook, and the ``torch.ops.qsa`` custom ops with their fake
-kernels. It also routes vLLM's own ``Qwen4ExpForCausalLM`` and ``Qwen4ExpMTP`` to
-``qwen4exp`` (upstream's model with QSA on our operators; lazily imported too) unless
-``QSA_QWEN4EXP_ROUTING=0``. It is idempotent and a no-op for what the source overlay
+kernels. It also routes vLLM's own ``Qwen4ExpForCausalLM``,
+``Qwen4ExpForConditionalGeneration`` and ``Qwen4ExpMTP`` to ``qwen4exp`` (upstream's model
+with QSA on our operators; lazily imported too) unless ``QSA_QWEN4EXP_ROUTING=0`` or on ROCm. It is idempotent and a no-op for what the source overlay
 already provides.
 """
 
@@ -25,8 +25,14 @@ def register() -> None:
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, f"{MODEL_MODULE}:{ARCHITECTURE}")
     MODELS_CONFIG_MAP.setdefault(ARCHITECTURE, Qwen38QSAConfig)
-    if qwen4exp.routing_enabled():
+    if qwen4exp.routing_enabled() and not _rocm():
         _route_qwen4exp(ModelRegistry, qwen4exp)
+
+
+def _rocm() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_rocm()
 
 
 def _route_qwen4exp(registry, qwen4exp) -> None:

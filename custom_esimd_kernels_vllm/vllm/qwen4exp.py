@@ -31,7 +31,7 @@ import torch
 from ..qsa_ops import contract
 
 ROUTING_ENV = "QSA_QWEN4EXP_ROUTING"
-ARCHITECTURES = ("Qwen4ExpForCausalLM", "Qwen4ExpMTP")
+ARCHITECTURES = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "Qwen4ExpMTP")
 MODULE = "custom_esimd_kernels_vllm.vllm.qwen4exp"
 UPSTREAM = "vllm.models.qwen4_exp"
 
@@ -388,11 +388,14 @@ def _route_model(model: torch.nn.Module, vllm_config) -> None:
 
 
 def _upstream_model_cls(name: str) -> type:
-    return getattr(importlib.import_module(UPSTREAM), name)
+    # the NVIDIA model (also what vLLM's CPU backend runs), named by module: the overlay's
+    # vllm.models.qwen4_exp.__getattr__ hands these names to this module
+    return getattr(_upstream("nvidia.mtp" if name == "Qwen4ExpMTP" else "nvidia.model"), name)
 
 
 def __getattr__(name: str):
-    """``Qwen4ExpForCausalLM`` / ``Qwen4ExpMTP``: upstream's classes, QSA routed."""
+    """``Qwen4ExpForCausalLM``, ``Qwen4ExpForConditionalGeneration``, ``Qwen4ExpMTP``:
+    upstream's classes, QSA routed."""
     if name not in ARCHITECTURES:
         raise AttributeError(name)
     if name in _classes:

@@ -27,3 +27,24 @@ def tiny_model_tp2(tmp_path_factory) -> Path:
     from make_tiny_model import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("qsa-tiny-tp2"), tp=2, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen4exp(tmp_path_factory) -> Path:
+    from make_tiny_qwen4exp import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("qwen4exp-tp1"), tp=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen4exp_tp2(tmp_path_factory) -> Path:
+    from make_tiny_qwen4exp import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("qwen4exp-tp2"), tp=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen4exp_mixed(tmp_path_factory) -> Path:
+    from make_tiny_qwen4exp import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("qwen4exp-mixed"), tp=1, mixed=True)
