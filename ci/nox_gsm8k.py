@@ -40,6 +40,10 @@ RESULTS = ROOT / "results" / "gsm8k"
 TINY_CONFIG = CI / "gsm8k" / "configs" / "tiny-qsa.json"
 RELEASE_CONFIG = CI / "gsm8k" / "configs" / "qwen38-qsa-tp8.json"
 GATE_REQUIREMENTS = CI / "gsm8k" / "requirements.txt"
+# The tiny checkpoint is vLLM's own Qwen4Exp (ci/make_tiny_qwen4exp.py), QSA on our operators:
+# bfloat16 (vLLM's QSA requires it), prefix caching off (vLLM 0.32.0 serves an all-QSA model
+# only so).
+TINY_SERVER_ARGS = ("--dtype", "bfloat16", "--no-enable-prefix-caching")
 
 
 def _load(name: str) -> Any:
@@ -95,8 +99,8 @@ def run_mechanics(
     scratch = Path(tempfile.mkdtemp(prefix="qsa-gsm8k-"))
     try:
         if model_dir is None:
-            model_dir = _load("make_tiny_model").make_checkpoint(scratch / "tiny-model")
-        with server_mod.VLLMServer(model_dir, python=python) as url:
+            model_dir = _load("make_tiny_qwen4exp").make_checkpoint(scratch / "tiny-model")
+        with server_mod.VLLMServer(model_dir, python=python, extra_args=TINY_SERVER_ARGS) as url:
             live = dataclasses.replace(config, base_url=url)
             first = gate.run_gate(
                 live, out_root / config.name, config_path=TINY_CONFIG, progress=progress

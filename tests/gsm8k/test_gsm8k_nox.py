@@ -152,7 +152,7 @@ def test_mechanics_logic_against_a_stand_in_server(nox_gsm8k, monkeypatch, tmp_p
     from gsm8k_fakes import FakeServer, completion_body
 
     class StandIn:
-        def __init__(self, model_dir, python):
+        def __init__(self, model_dir, python, **server_args):
             self.server = FakeServer(
                 lambda path, body, call: (200, completion_body(body, "#### 999"))
             )

@@ -1,4 +1,4 @@
-"""The gate against a real vLLM server serving the tiny QSA checkpoint (the E2E server).
+"""The gate against a real vLLM server serving the tiny Qwen4Exp checkpoint (QSA on our operators).
 
 Runs where the test interpreter can import vLLM (the vLLM venv, or `nox -s gsm8k`, which runs
 the same check); elsewhere it is skipped with that reason. A few minutes on 2 CPU cores.
