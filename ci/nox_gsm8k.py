@@ -38,7 +38,7 @@ CI = Path(__file__).resolve().parent
 ROOT = CI.parent
 RESULTS = ROOT / "results" / "gsm8k"
 TINY_CONFIG = CI / "gsm8k" / "configs" / "tiny-qsa.json"
-RELEASE_CONFIG = CI / "gsm8k" / "configs" / "qwen38-qsa-tp8.json"
+RELEASE_CONFIG = CI / "gsm8k" / "configs" / "qwen4exp-qsa-tp8.json"
 GATE_REQUIREMENTS = CI / "gsm8k" / "requirements.txt"
 # The tiny checkpoint is vLLM's own Qwen4Exp (ci/make_tiny_qwen4exp.py), QSA on our operators:
 # bfloat16 (vLLM's QSA requires it), prefix caching off (vLLM 0.32.0 serves an all-QSA model

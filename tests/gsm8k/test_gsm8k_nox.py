@@ -129,7 +129,7 @@ def test_the_pipeline_runs_the_gate_in_the_e2e_steps_interpreter(nox_gsm8k, monk
 
 def test_results_land_in_the_step_record(nox_gsm8k, monkeypatch) -> None:
     def fake_run(*args: str, **kwargs: Any) -> None:  # what the gate CLI would write
-        out = nox_gsm8k.RESULTS / "qwen38-qsa-tp8"
+        out = nox_gsm8k.RESULTS / "qwen4exp-qsa-tp8"
         out.mkdir(parents=True)
         (out / "result.json").write_text(json.dumps({"status": "failed", "accuracy": 0.5}))
         (out / "config.json").write_text("{}")
@@ -141,7 +141,7 @@ def test_results_land_in_the_step_record(nox_gsm8k, monkeypatch) -> None:
     with pytest.raises(RuntimeError):
         nox_gsm8k.gsm8k(session, record)
     assert sorted(Path(p).name for p in record.artifacts) == ["config.json", "result.json"]
-    assert record.details["gsm8k"]["qwen38-qsa-tp8"]["status"] == "failed"
+    assert record.details["gsm8k"]["qwen4exp-qsa-tp8"]["status"] == "failed"
 
 
 def test_mechanics_logic_against_a_stand_in_server(nox_gsm8k, monkeypatch, tmp_path) -> None:
