@@ -7,8 +7,10 @@ Server lives (each collects its answers first; the tests compare them):
   off (vLLM 0.32.0 serves an all-QSA model only so): teacher-forced prompt log-probs and
   greedy answers of every prompt, then the same prompts concurrently and in another order,
   malformed requests, clean shutdown;
-* B, eager, a tiny KV space: four long prompts at once, so that one is preempted;
-* C, eager, forced chunked prefill (64-token chunks);
+* B, eager, a tiny KV space: the prompts again (eager == compiled), then four long prompts
+  at once, so that one is preempted;
+* C, eager, forced chunked prefill (64-token chunks), plugins off under ``nox -s e2e`` (the
+  overlay alone routes the model);
 * D, the TP = 2 checkpoint (6 query / 2 KV heads: 3 / 1 per rank) at --tensor-parallel-size 2;
 * E, the mixed checkpoint (Gated DeltaNet + QSA) with prefix caching on: a repeated prompt
   hits the cache (asserted from /metrics) and answers the same.
@@ -180,24 +182,39 @@ def test_clean_shutdown(served):
     }
 
 
-def test_chunked_prefill_equals_one_shot(served, tiny_qwen4exp):
+def test_chunked_prefill_equals_one_shot_overlay_alone(served, tiny_qwen4exp):
+    """C: eager, 64-token prefill chunks == A. NOTES: nox -s e2e patched this vLLM with the
+    overlay (QSA_E2E_OVERLAY=1); this server then loads no plugin, so the overlay alone must
+    route Qwen4Exp to our operators (its log says so)."""
+    overlay_only = {"VLLM_PLUGINS": ""} if os.environ.get("QSA_E2E_OVERLAY") == "1" else {}
     args = [*BF16, *NO_PREFIX_CACHE, "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "8"]
-    with QSAServer(tiny_qwen4exp, eager=True, timeout=SERVER_TIMEOUT, extra_args=args) as url:
+    server = QSAServer(
+        tiny_qwen4exp, eager=True, timeout=SERVER_TIMEOUT, env=overlay_only, extra_args=args
+    )
+    with server as url:
+        announced = _announced(server)
         chunked = {n: greedy(url, served.prompts[n]) for n in (517, 2100)}
+    assert announced, f"the chunked server's log lacks {ANNOUNCE!r}"
     for n, ids in chunked.items():
         assert ids == served.first[n], f"{n} tokens: chunked != one-shot"
 
 
-def test_preemption_gives_the_same_tokens(tiny_qwen4exp):
+def test_preemption_and_eager_equal_compiled(served, tiny_qwen4exp):
+    """B: eager, 12 pages of 256 tokens (vLLM's page for this model on CPU). Every prompt
+    that fits, one by one == A (compiled == eager); then four 1020-token prompts at once
+    cannot all stay resident: one is preempted, and the answers == one by one."""
     names = [prompt(PREEMPT_LENGTH, seed=10 + i) for i in range(PREEMPT_PROMPTS)]
-    # 12 pages of 256 tokens (vLLM's page for this model on CPU) for four 1020-token prompts
     tiny_kv = ["--num-gpu-blocks-override", "12", "--max-model-len", "2304"]
     args = [*BF16, *ONE_SHOT, *NO_PREFIX_CACHE, *tiny_kv]
+    fits = [n for n in served.prompts if n + NEW_TOKENS <= 2304]
     with QSAServer(tiny_qwen4exp, eager=True, timeout=SERVER_TIMEOUT, extra_args=args) as url:
+        eager = {n: greedy(url, served.prompts[n]) for n in fits}
         alone = [greedy(url, ids) for ids in names]
         before = metric(url, PREEMPTIONS)
         together = greedy_concurrently(url, names)
         preempted = metric(url, PREEMPTIONS) - before
+    for n, ids in eager.items():
+        assert ids == served.first[n], f"{n} tokens: eager != compiled"
     assert preempted >= 1, "no request was preempted"
     assert together == alone
 
