@@ -18,8 +18,5 @@ nvcc "${flags[@]}" -Icsrc/qsa -DQSA_SHIM_V2 scripts/v2_shim.cu csrc/qsa/select_p
   csrc/qsa/sparse_paged_attention.cu -o "$out/libqsa_new.so" &
 nvcc "${flags[@]}" -I"$out/old" scripts/v2_shim.cu "$out/old/select_paged_tokens.cu" \
   "$out/old/sparse_paged_attention.cu" -o "$out/libqsa_old.so" &
-# candidate variants of this tree (macros of csrc/qsa), timed beside it
-nvcc "${flags[@]}" -Icsrc/qsa -DQSA_SHIM_V2 -DQSA_ATTN_SLOT_BCAST=1 scripts/v2_shim.cu \
-  csrc/qsa/select_paged_tokens.cu csrc/qsa/sparse_paged_attention.cu -o "$out/libqsa_alt.so" &
-wait %1 && wait %2 && wait %3
+wait %1 && wait %2
 ls -la "$out"/*.so

@@ -257,7 +257,8 @@ def ref_attention(a):
     p = torch.nan_to_num(p, nan=0.0)
     o = torch.einsum("rhw,rwd->rhd", p, V)
     if a.get("gate") is not None:
-        o = o * torch.sigmoid(a["gate"].double())
+        # the contract's order of roundings: dtype(attn) first, then the gate (float64 here)
+        o = o.to(q.dtype).double() * torch.sigmoid(a["gate"].double())
     return o
 
 

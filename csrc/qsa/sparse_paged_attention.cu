@@ -353,21 +353,24 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
   const KT* vbase = static_cast<const KT*>(p.v_cache) + lane * 8;
   auto issue = [&](int g0, Raw(&kr)[kTokensPerWarp], Raw(&vr)[kTokensPerWarp]) {
     TokenRef ref[kTokensPerWarp];
-#if QSA_ATTN_SLOT_BCAST
-    // lane t < kTokensPerWarp finds token g0 + t's slot; the warp takes them by shuffles
-    const TokenRef own =
-        lane < kTokensPerWarp && g0 + lane < total ? slot_of(g0 + lane) : TokenRef{0, 0};
+    if constexpr (kDeep) {
+      // NOTES (v28b): one CTA per SM: lane t < kTokensPerWarp finds token g0 + t's slot and
+      // the warp takes them by shuffles (one lookup per lane instead of kTokensPerWarp);
+      // measured faster there (H100, R = 64: fp16 63.5 -> 62.2 us, fp8 50.2 -> 46.3) and
+      // slower at two CTAs per SM (R = 256: fp8 137 -> 143, 32 bytes of spills).
+      const TokenRef own =
+          lane < kTokensPerWarp && g0 + lane < total ? slot_of(g0 + lane) : TokenRef{0, 0};
 #pragma unroll
-    for (int t = 0; t < kTokensPerWarp; ++t) {
-      ref[t].page = __shfl_sync(0xffffffffu, own.page, t);
-      ref[t].slot = __shfl_sync(0xffffffffu, own.slot, t);
-    }
-#else
+      for (int t = 0; t < kTokensPerWarp; ++t) {
+        ref[t].page = __shfl_sync(0xffffffffu, own.page, t);
+        ref[t].slot = __shfl_sync(0xffffffffu, own.slot, t);
+      }
+    } else {
 #pragma unroll
-    for (int t = 0; t < kTokensPerWarp; ++t) {
-      ref[t] = g0 + t < total ? slot_of(g0 + t) : TokenRef{0, 0};
+      for (int t = 0; t < kTokensPerWarp; ++t) {
+        ref[t] = g0 + t < total ? slot_of(g0 + t) : TokenRef{0, 0};
+      }
     }
-#endif
 #pragma unroll
     for (int t = 0; t < kTokensPerWarp; ++t) {
       const int64_t koff = int64_t(ref[t].page) * p.k_page_stride +
