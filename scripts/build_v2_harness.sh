@@ -18,5 +18,8 @@ nvcc "${flags[@]}" -Icsrc/qsa -DQSA_SHIM_V2 scripts/v2_shim.cu csrc/qsa/select_p
   csrc/qsa/sparse_paged_attention.cu -o "$out/libqsa_new.so" &
 nvcc "${flags[@]}" -I"$out/old" scripts/v2_shim.cu "$out/old/select_paged_tokens.cu" \
   "$out/old/sparse_paged_attention.cu" -o "$out/libqsa_old.so" &
-wait %1 && wait %2
+# a candidate variant of this tree (a macro of csrc/qsa), timed beside it (QSA_ALT_FLAGS)
+nvcc "${flags[@]}" -Icsrc/qsa -DQSA_SHIM_V2 ${QSA_ALT_FLAGS:--DQSA_ATTN_FLAT=1} scripts/v2_shim.cu \
+  csrc/qsa/select_paged_tokens.cu csrc/qsa/sparse_paged_attention.cu -o "$out/libqsa_alt.so" &
+wait %1 && wait %2 && wait %3
 ls -la "$out"/*.so

@@ -15,11 +15,11 @@ timeout "${PYTEST_S:-230}" python3 -m pytest -q -p no:cacheprovider -rf \
 echo "pytest rc=$?"; tail -15 "$OUT/pytest.log"
 cd tests/gpu
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
-timeout 110 compute-sanitizer --error-exitcode 99 --tool memcheck --kernel-name kns=qsa \
+timeout 100 compute-sanitizer --error-exitcode 99 --tool memcheck --kernel-name kns=qsa \
   python3 sanitizer_corpus.py all > "$OUT/memcheck.log" 2>&1; echo "memcheck rc=$?"
 tail -4 "$OUT/memcheck.log"
 for m in select attention; do
-  timeout 60 compute-sanitizer --error-exitcode 99 --tool racecheck --racecheck-report all \
+  timeout 50 compute-sanitizer --error-exitcode 99 --tool racecheck --racecheck-report all \
     --kernel-name "kns=$( [[ $m == select ]] && echo select_kernel || echo attention )" \
     python3 sanitizer_corpus.py $m > "$OUT/racecheck-$m.log" 2>&1; echo "racecheck $m rc=$?"
   tail -3 "$OUT/racecheck-$m.log"

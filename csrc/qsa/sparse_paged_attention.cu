@@ -81,6 +81,7 @@ struct PageDiv {
   uint64_t mul;
   uint32_t shift;
   uint32_t d;
+  int64_t vdelta;  // kFlat: bytes from a token's K to its V (same strides)
   __device__ __forceinline__ uint32_t div(uint32_t i) const {
     return static_cast<uint32_t>((static_cast<uint64_t>(i) * mul) >> shift);
   }
@@ -243,7 +244,9 @@ __device__ __forceinline__ void cluster_wait_acquire() {
 // pass's K/V loads go out before this pass's compute), in the registers that a second
 // resident CTA would otherwise hold.
 // QT: q/out/gate element type; KT: the caches' (QT or fp8-e4m3).
-template <typename QT, typename KT, bool kDeep>
+// kFlat: K and V have the same strides and every K byte offset / 16 fits 32 bits: the
+// resolve phase stores each token's 16-byte offset (one word) and V is K + vdelta bytes.
+template <typename QT, typename KT, bool kDeep, bool kFlat = false>
 __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
     attention_kernel(AttentionParams p, PageDiv pdiv, int splits, int csize,
                      float* __restrict__ parts) {
@@ -313,7 +316,16 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
       if (it < rounds) {  // warp-uniform
         const bool ok = ph[it] >= 0 && ph[it] < p.pages;
         const unsigned bits = __ballot_sync(0xffffffffu, ok);
-        if (ok) sh.slots[warp * seg + count + __popc(bits & lt)] = TokenRef{ph[it], tok[it]};
+        if (ok) {
+          const int at = warp * seg + count + __popc(bits & lt);
+          if constexpr (kFlat) {
+            reinterpret_cast<uint32_t*>(sh.slots)[at] = static_cast<uint32_t>(
+                ((int64_t(ph[it]) * p.k_page_stride + int64_t(tok[it]) * p.k_token_stride) *
+                 int64_t(sizeof(KT))) >> 4);
+          } else {
+            sh.slots[at] = TokenRef{ph[it], tok[it]};
+          }
+        }
         count += __popc(bits);
       }
     }
@@ -334,6 +346,14 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
     }
     return sh.slots[g + shift];
   };
+  auto flat_of = [&](int g) {
+    int shift = 0;
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) {
+      if (g >= base[w]) shift = w * seg - base[w];
+    }
+    return reinterpret_cast<const uint32_t*>(sh.slots)[g + shift];
+  };
 
   // ---- Online softmax: warp w takes tokens it*40 + w*5 + t --------------------------------
   // Lane covers dims [8 lane, 8 lane + 8) of every head.
@@ -351,7 +371,27 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
   }
   const KT* kbase = static_cast<const KT*>(p.k_cache) + lane * 8;
   const KT* vbase = static_cast<const KT*>(p.v_cache) + lane * 8;
+  const char* kbytes = static_cast<const char*>(p.k_cache) + lane * 8 * sizeof(KT);
   auto issue = [&](int g0, Raw(&kr)[kTokensPerWarp], Raw(&vr)[kTokensPerWarp]) {
+    if constexpr (kFlat) {
+      uint32_t off[kTokensPerWarp];
+      if constexpr (kDeep) {
+        const uint32_t own = lane < kTokensPerWarp && g0 + lane < total ? flat_of(g0 + lane) : 0u;
+#pragma unroll
+        for (int t = 0; t < kTokensPerWarp; ++t) off[t] = __shfl_sync(0xffffffffu, own, t);
+      } else {
+#pragma unroll
+        for (int t = 0; t < kTokensPerWarp; ++t) off[t] = g0 + t < total ? flat_of(g0 + t) : 0u;
+      }
+#pragma unroll
+      for (int t = 0; t < kTokensPerWarp; ++t) {
+        const char* kt = kbytes + (static_cast<uint64_t>(off[t]) << 4);
+        kr[t] = detail::load_raw8<KT>(reinterpret_cast<const KT*>(kt), g0 + t < total);
+        vr[t] = detail::load_raw8<KT>(reinterpret_cast<const KT*>(kt + pdiv.vdelta),
+                                      g0 + t < total);
+      }
+      return;
+    }
     TokenRef ref[kTokensPerWarp];
     if constexpr (kDeep) {
       // NOTES (v28b): one CTA per SM: lane t < kTokensPerWarp finds token g0 + t's slot and
@@ -628,7 +668,7 @@ struct SmallShared {
 };
 
 // kW warps of kT tokens each.
-template <typename QT, typename KT, int kW, int kT>
+template <typename QT, typename KT, int kW, int kT, bool kFlat = false>
 __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
     attention_small_kernel(AttentionParams p, PageDiv pdiv, int splits, int mergers,
                            float* __restrict__ parts) {
@@ -671,8 +711,24 @@ __global__ void __launch_bounds__(kW * 32, 128 / (kW * kT))
   const KT* vbase = static_cast<const KT*>(p.v_cache) + lane * 8;
   Raw kraw[kT], vraw[kT];
   bool valid[kT];
+  if constexpr (kFlat) {
+    const uint32_t my_off =
+        my_page >= 0 ? static_cast<uint32_t>(((int64_t(my_page) * p.k_page_stride +
+                                               int64_t(my_tok) * p.k_token_stride) *
+                                              int64_t(sizeof(KT))) >> 4)
+                     : 0xffffffffu;
+    const char* kbytes = static_cast<const char*>(p.k_cache) + lane * 8 * sizeof(KT);
 #pragma unroll
-  for (int j = 0; j < kT; ++j) {
+    for (int j = 0; j < kT; ++j) {
+      const uint32_t off = __shfl_sync(0xffffffffu, my_off, j);
+      valid[j] = off != 0xffffffffu;
+      const char* kt = kbytes + (static_cast<uint64_t>(valid[j] ? off : 0u) << 4);
+      kraw[j] = detail::load_raw8<KT>(reinterpret_cast<const KT*>(kt), valid[j]);
+      vraw[j] = detail::load_raw8<KT>(reinterpret_cast<const KT*>(kt + pdiv.vdelta), valid[j]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kT && !kFlat; ++j) {
     const int32_t page = __shfl_sync(0xffffffffu, my_page, j);
     const int32_t slot = __shfl_sync(0xffffffffu, my_tok, j);
     valid[j] = page >= 0;
@@ -914,12 +970,33 @@ cudaError_t with_types(const AttentionParams& p, F&& f) {
   return fp8 ? f(__half(), __nv_fp8_e4m3()) : f(__half(), __half());
 }
 
+// Whether the flat (one 32-bit offset per token) instantiations can serve p.
+bool flat_layout(const AttentionParams& p) {
+#if QSA_ATTN_FLAT
+  if (p.k_page_stride != p.v_page_stride || p.k_token_stride != p.v_token_stride) return false;
+  if (p.pages <= 0) return false;
+  const int64_t es = p.kv_dtype == DType::kFloat8E4M3 ? 1 : 2;
+  const int64_t last = ((p.pages - 1) * p.k_page_stride + (p.page_size - 1) * p.k_token_stride +
+                        kHeadDim) * es;
+  return p.k_page_stride >= 0 && p.k_token_stride >= 0 && last / 16 < int64_t(0xffffffffu);
+#else
+  (void)p;
+  return false;
+#endif
+}
+
 template <int kW, int kT>
 cudaError_t launch_small(const cudaLaunchConfig_t& cfg, const AttentionParams& p,
                          const PageDiv& pdiv, int splits, int mergers, float* parts) {
   return with_types(p, [&](auto qt, auto kt) {
     using QT = decltype(qt);
     using KT = decltype(kt);
+#if QSA_ATTN_FLAT
+    if (flat_layout(p)) {
+      return cudaLaunchKernelEx(&cfg, attention_small_kernel<QT, KT, kW, kT, true>, p, pdiv,
+                                splits, mergers, parts);
+    }
+#endif
     return cudaLaunchKernelEx(&cfg, attention_small_kernel<QT, KT, kW, kT>, p, pdiv, splits,
                               mergers, parts);
   });
@@ -931,6 +1008,12 @@ cudaError_t launch_cluster(const cudaLaunchConfig_t& cfg, const AttentionParams&
   return with_types(p, [&](auto qt, auto kt) {
     using QT = decltype(qt);
     using KT = decltype(kt);
+#if QSA_ATTN_FLAT
+    if (flat_layout(p)) {
+      return cudaLaunchKernelEx(&cfg, attention_kernel<QT, KT, kDeep, true>, p, pdiv, splits,
+                                csize, parts);
+    }
+#endif
     return cudaLaunchKernelEx(&cfg, attention_kernel<QT, KT, kDeep>, p, pdiv, splits, csize,
                               parts);
   });
@@ -1020,7 +1103,8 @@ cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream
       (p.kv_dtype != p.dtype && p.kv_dtype != DType::kFloat8E4M3)) {
     return cudaErrorInvalidValue;
   }
-  const PageDiv pdiv = make_page_div(p.page_size);
+  PageDiv pdiv = make_page_div(p.page_size);
+  pdiv.vdelta = static_cast<const char*>(p.v_cache) - static_cast<const char*>(p.k_cache);
   float* parts = static_cast<float*>(p.workspace);
   cudaLaunchConfig_t cfg = {};
   cfg.dynamicSmemBytes = 0;
