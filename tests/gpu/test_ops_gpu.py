@@ -32,7 +32,7 @@ def _shapes(op: str) -> dict[str, tuple]:
     spec = {"select_paged_tokens": contract._SELECT, "update_caches": contract._UPDATE}.get(
         op, contract._ATTENTION
     )
-    return dict(zip(spec.names, spec.shapes, strict=True))
+    return {a.name: a.shape for a in spec.args}
 
 
 def _outputs(op: str) -> tuple[str, ...]:
