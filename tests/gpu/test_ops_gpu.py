@@ -60,8 +60,10 @@ def _unchanged(tensors, before) -> bool:
 
 def _outcome(op: str, args) -> tuple[str, str] | None:
     """(class, message with addresses and device names normalised) of a refusal, or None."""
+    kw = ops.keyword_only(op)
+    n = len(args) - len(kw)
     try:
-        getattr(qsa_ops, op)(*args)
+        getattr(qsa_ops, op)(*args[:n], **dict(zip(kw, args[n:], strict=True)))
     except (TypeError, ValueError) as exc:
         message = _ADDRESS.sub("0x?", str(exc)).replace("cuda:0", "DEV").replace("cpu", "DEV")
         return type(exc).__name__, message
@@ -71,8 +73,12 @@ def _outcome(op: str, args) -> tuple[str, str] | None:
 def _mutations(op: str, device: str):
     case = _public_case(op, device)
     args = list(case.args())
+    if op == "sparse_paged_attention":
+        args += [case.kwargs()[k] for k in ops.keyword_only(op)]
     names = ops.public_arguments(op)
     changes = testing.refusal_mutations(args, names, _shapes(op), _outputs(op))
+    if op != "update_caches":
+        changes += testing.contract_v2_mutations(args, names)
     if op == "update_caches":
         pass  # no int arguments; the schema's tensors are the whole corpus
     elif op == "sparse_paged_attention":
