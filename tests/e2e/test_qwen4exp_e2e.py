@@ -35,6 +35,7 @@ pytest.importorskip("vllm", reason="the E2E suite runs in a vLLM environment (no
 
 from client import greedy_concurrently, prompt  # noqa: E402
 from servers import QSAServer, metric  # noqa: E402
+from vllm_server import VLLMServerError  # noqa: E402
 
 SHORT = (3, 61, 517, 1100)
 LONG = (2100, 2600)
@@ -273,3 +274,18 @@ def test_mixed_model_with_prefix_caching(tiny_qwen4exp_mixed):
         hits = metric(url, PREFIX_HIT) - hits
     assert hits >= 1024, f"prefix-cache hits: {hits}"
     assert again == first
+
+
+def test_rank_outside_the_contract_is_refused_at_load(tiny_qwen4exp_tp2):
+    """The 6-query / 2-KV-head checkpoint at TP = 1: 6 / 2 heads on one rank, refused while
+    the model is built, with the numbers (and the server exits: no fallback)."""
+    server = QSAServer(
+        tiny_qwen4exp_tp2, eager=True, timeout=SERVER_TIMEOUT, extra_args=[*BF16, *NO_PREFIX_CACHE]
+    )
+    with pytest.raises(VLLMServerError, match="before it became healthy"):
+        with server:
+            pass
+    # the worker's traceback is in the log vLLM wrote before exiting
+    assert "query heads per rank 6 (the operators take 3); KV heads per rank 2" in (
+        server.final_log
+    ), server.final_log[-3000:]
