@@ -8,14 +8,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 QSA_BACKEND=cuda
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
-timeout 150 python3 scripts/v2_harness.py --check --time --out "$OUT" --budget 100 \
+timeout 110 python3 scripts/v2_harness.py --check --time --out "$OUT" --budget 60 \
   > "$OUT/harness.log" 2>&1; echo "harness rc=$?"; grep -E "checks:|FAIL" "$OUT/harness.log" | head
 timeout "${PYTEST_S:-230}" python3 -m pytest -q -p no:cacheprovider -rf \
   --junitxml="$OUT/junit.xml" tests/gpu/test_v2_gpu.py tests/gpu "$@" > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$?"; tail -15 "$OUT/pytest.log"
 cd tests/gpu
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
-timeout 100 compute-sanitizer --error-exitcode 99 --tool memcheck --kernel-name kns=qsa \
+timeout 80 compute-sanitizer --error-exitcode 99 --tool memcheck --kernel-name kns=qsa \
   python3 sanitizer_corpus.py all > "$OUT/memcheck.log" 2>&1; echo "memcheck rc=$?"
 tail -4 "$OUT/memcheck.log"
 for m in select attention; do
