@@ -270,9 +270,10 @@ def _make_impl_cls(base: type) -> type:
             if _on_cpu():
                 from .qwen4exp_cpu import store_kv
 
+                scales = None
                 if self.kv_cache_dtype in ("fp8", "fp8_e4m3"):
-                    raise NotImplementedError("fp8 K/V on the CPU backend")
-                store_kv(key, value, kv_cache, slot_mapping)
+                    scales = (layer._k_scale_float, layer._v_scale_float)
+                store_kv(key, value, kv_cache, slot_mapping, scales)
                 return
             super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 

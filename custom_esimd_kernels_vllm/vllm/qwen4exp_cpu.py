@@ -237,15 +237,24 @@ def apply_rope(rotary_emb, positions: torch.Tensor, tensor: torch.Tensor) -> tor
 
 
 def store_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    scales: tuple[float, float] | None = None,
 ) -> None:
     """K and V of each token into the QSA owner's cache ``[pages, 1, page_size, K | V]`` (one
-    KV head, K then V per token) at ``slot_mapping`` (negative: skip)."""
+    KV head, K then V per token) at ``slot_mapping`` (negative: skip). With ``scales`` (an
+    fp8 cache, stored as uint8): e4m3 of K / k_scale and V / v_scale, as vLLM's store does."""
     cache = kv_cache.transpose(1, 2)  # [pages, page_size, heads, 2 * head_dim]
     head_dim = cache.shape[-1] // 2
     n = slot_mapping.shape[0]
-    store_cache_rows(cache[..., :head_dim], slot_mapping, key[:n].reshape(n, -1))
-    store_cache_rows(cache[..., head_dim:], slot_mapping, value[:n].reshape(n, -1))
+    rows = [key[:n].reshape(n, -1), value[:n].reshape(n, -1)]
+    if scales is not None:
+        cache = cache.view(torch.float8_e4m3fn)
+        rows = [(r.float() / s).to(torch.float8_e4m3fn) for r, s in zip(rows, scales, strict=True)]
+    store_cache_rows(cache[..., :head_dim], slot_mapping, rows[0])
+    store_cache_rows(cache[..., head_dim:], slot_mapping, rows[1])
 
 
 # --------------------------------------------------------------------------------------------

@@ -187,3 +187,26 @@ def test_compress_groups_pools_ring_and_step_rows():
     torch.testing.assert_close(pooled[1, 0], want.to(torch.bfloat16))
     assert first[1].tolist() == [4, 4, 4]
     assert pooled[[0, 2, 3]].abs().sum() == 0
+
+
+@pytest.mark.parametrize("scales", [None, (0.5, 2.0)])
+def test_store_kv_packs_k_then_v(scales):
+    pages, page, dim = 3, 4, 8
+    dtype = torch.bfloat16 if scales is None else torch.uint8
+    kv = torch.zeros(pages, 1, page, 2 * dim, dtype=dtype)  # the owner's [P, H, N, K | V]
+    gen = torch.Generator().manual_seed(1)
+    key = torch.randn(3, 1, dim, generator=gen).to(torch.bfloat16)
+    value = torch.randn(3, 1, dim, generator=gen).to(torch.bfloat16)
+    slots = torch.tensor([5, -1, 9])
+    qwen4exp_cpu.store_kv(key, value, kv, slots, scales)
+    stored = kv if scales is None else kv.view(torch.float8_e4m3fn)
+    k_scale, v_scale = scales or (1.0, 1.0)
+    for row, slot in ((0, 5), (2, 9)):
+        got = stored[slot // page, 0, slot % page].float()
+        want_k = (key[row, 0].float() / k_scale).to(stored.dtype).float()
+        want_v = (value[row, 0].float() / v_scale).to(stored.dtype).float()
+        assert torch.equal(got[:dim], want_k) and torch.equal(got[dim:], want_v)
+    assert (
+        stored.float().abs().sum()
+        == stored[1, 0, 1].float().abs().sum() + stored[2, 0, 1].float().abs().sum()
+    )
