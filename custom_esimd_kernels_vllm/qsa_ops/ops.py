@@ -194,12 +194,8 @@ VALIDATORS = {  # the public functions' argument lists
 # refusals raised in C++
 # ----------------------------------------------------------------------------------------
 
-_REFUSAL = re.compile(r"\[qsa:(TypeError|ValueError|NotImplementedError)\] ([^\n]*)")
-_ERROR_CLASSES = {
-    "TypeError": TypeError,
-    "ValueError": ValueError,
-    "NotImplementedError": NotImplementedError,
-}
+_REFUSAL = re.compile(r"\[qsa:(TypeError|ValueError)\] ([^\n]*)")
+_ERROR_CLASSES = {"TypeError": TypeError, "ValueError": ValueError}
 
 
 def refusal_of(exc: BaseException) -> tuple[type[Exception], str] | None:
@@ -210,9 +206,8 @@ def refusal_of(exc: BaseException) -> tuple[type[Exception], str] | None:
 
 def raise_refusal(exc: BaseException, op: str, args: tuple, kwargs: dict | None = None) -> None:
     """Re-raise an error of a ``torch.ops.qsa`` call as the contract words it: a C++ refusal as
-    its TypeError/ValueError (or NotImplementedError: valid, but not taken by the compiled
-    kernels yet); an argument the schema itself rejects (say, a list for a tensor) through
-    contract.py's ordered checks; anything else unchanged."""
+    its TypeError/ValueError; an argument the schema itself rejects (say, a list for a tensor)
+    through contract.py's ordered checks; anything else unchanged."""
     refusal = refusal_of(exc)
     if refusal is not None:
         raise refusal[0](refusal[1]) from None

@@ -269,13 +269,3 @@ def test_refusal_marker_round_trip():
     exc = RuntimeError("[qsa:ValueError] out must not overlap any input, got overlap with q")
     assert ops.refusal_of(exc) == (ValueError, "out must not overlap any input, got overlap with q")
     assert ops.refusal_of(RuntimeError("CUDA error: out of memory")) is None
-
-
-def test_not_implemented_marker_round_trip():
-    """A valid call the compiled kernels do not take yet is NotImplementedError, not a refusal
-    of the contract."""
-    exc = RuntimeError("[qsa:NotImplementedError] sparse_paged_attention: the CUDA kernels do not")
-    assert ops.refusal_of(exc) == (
-        NotImplementedError,
-        "sparse_paged_attention: the CUDA kernels do not",
-    )
