@@ -198,12 +198,6 @@ struct Meta {
     }
     return m;
   }
-  bool strides_are(const int64_t* want, int64_t n) const {
-    if (dim != n) return false;
-    for (int64_t i = 0; i < n; ++i)
-      if (strides[i] != want[i]) return false;
-    return true;
-  }
   std::string fmt_sizes() const {
     if (source && dim > kMaxDims) return fmt_ints(source->sizes());
     return fmt_ints(torch::headeronly::IntHeaderOnlyArrayRef(sizes, dim));

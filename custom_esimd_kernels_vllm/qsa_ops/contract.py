@@ -195,12 +195,6 @@ def _check_no_overlap(
 PACKED_KV_STRIDES = (KV_STRIDES[0], PACKED_TOKEN_STRIDE, 1)  # (262144, 512, 1)
 
 
-def packed_kv_buffer(k_cache: torch.Tensor) -> torch.Tensor:
-    """The [P, 512, 512] exact-packed buffer that an exact-packed k_cache views (same storage
-    offset)."""
-    return k_cache.as_strided((k_cache.shape[0], KV_PAGE, PACKED_TOKEN_STRIDE), PACKED_KV_STRIDES)
-
-
 def kv_views(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(k_cache, v_cache) of an exact-packed [P, page, 512] buffer: the two [P, page, 1, 256]
     views (strides (page * 512, 512, 256, 1) for a contiguous buffer)."""
