@@ -44,7 +44,6 @@ CSRC = "csrc"
 KERNEL_SOURCES = (
     "csrc/qsa/select_paged_tokens.cu",
     "csrc/qsa/sparse_paged_attention.cu",
-    "csrc/qsa/update_caches.cu",
 )
 BINDINGS = "csrc/torch_ops.cpp"
 SKIP_ENV = "QSA_SKIP_CUDA_BUILD"

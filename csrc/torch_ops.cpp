@@ -827,92 +827,16 @@ void check_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor logical_in
                      out, softmax_scale, k_scale, v_scale, gate);
 }
 
-// ---------------------------------------------------------------------------------------------
-// update_caches (the third operator): validation and launch
-// ---------------------------------------------------------------------------------------------
-
-// contract.validate_update_args' storage checks: each output against every input, then the
-// two outputs against each other.
-void check_outputs_disjoint(const std::array<Arg, 7>& args, size_t first_output) {
-  for (size_t o = first_output; o < args.size(); ++o) check_no_overlap(args[o], args.data(), first_output);
-  const auto kv = byte_range(*args[first_output].m), ck = byte_range(*args[first_output + 1].m);
-  if (kv.first != kv.second && ck.first != ck.second && ck.first < kv.second &&
-      kv.first < ck.second)
-    value_error(std::string(args[first_output + 1].name) + " must not overlap " +
-                args[first_output].name + " (the other output), got bytes [" +
-                fmt_hex(ck.first) + ", " + fmt_hex(ck.second) + ") and [" + fmt_hex(kv.first) +
-                ", " + fmt_hex(kv.second) + ")");
-}
-
-void validate_update(const Tensor& key, const Tensor& value, const Tensor& slot_mapping,
-                     const Tensor& compressed_slot_mapping, const Tensor& index_wk,
-                     const Tensor& kv_cache, const Tensor& compressed_key_cache) {
-  const Meta mk = Meta::of(key), mv = Meta::of(value), ms = Meta::of(slot_mapping),
-             mcs = Meta::of(compressed_slot_mapping), mw = Meta::of(index_wk),
-             mkv = Meta::of(kv_cache), mck = Meta::of(compressed_key_cache);
-  using L = Layout;
-  const ScalarType F16 = ScalarType::Half, I64 = ScalarType::Long;
-  const std::array<Arg, 7> args = {
-      arg("key", &mk, {F16}, -1, L::kContiguous, {S("T"), F(QSA_HEAD_DIM)}),
-      arg("value", &mv, {F16}, -1, L::kContiguous, {S("T"), F(QSA_HEAD_DIM)}),
-      arg("slot_mapping", &ms, {I64}, -1, L::kContiguous, {S("T")}),
-      arg("compressed_slot_mapping", &mcs, {I64}, -1, L::kContiguous, {S("T")}),
-      arg("index_wk", &mw, {ScalarType::Float}, -1, L::kContiguous,
-          {F(QSA_INDEX_DIM), F(QSA_HEAD_DIM)}),
-      arg("kv_cache", &mkv, {F16}, -1, L::kContiguous,
-          {S("P"), F(QSA_KV_PAGE), F(2 * QSA_HEAD_DIM)}),
-      arg("compressed_key_cache", &mck, {F16}, -1, L::kContiguous,
-          {S("Q"), F(QSA_CK_PAGE), F(1), F(QSA_INDEX_DIM)}),
-  };
-  check_tensors(args, std::array<SizeSource, 3>{{{"T", 0, 0}, {"P", 5, 0}, {"Q", 6, 0}}});
-  check_outputs_disjoint(args, 5);
-}
-
-void update_caches(Tensor key, Tensor value, Tensor slot_mapping, Tensor compressed_slot_mapping,
-                   Tensor index_wk, Tensor kv_cache, Tensor compressed_key_cache) {
-  validate_update(key, value, slot_mapping, compressed_slot_mapping, index_wk, kv_cache,
-                  compressed_key_cache);
-  const int64_t rows = key.size(0);
-  if (rows > kInt32Max)
-    value_error("key must have at most " + std::to_string(kInt32Max) +
-                " rows for the CUDA kernels (one CTA per row), got " + std::to_string(rows));
-  const int device = key.get_device();
-  check_capability(device);
-  const DeviceGuard guard(device, "update_caches: selecting the device");
-  const cudaStream_t stream = current_stream(device);
-  const bool pdl = pdl_enabled();
-  const qsa::UpdateParams p{key.const_data_ptr(),
-                            value.const_data_ptr(),
-                            static_cast<const int64_t*>(slot_mapping.const_data_ptr()),
-                            static_cast<const int64_t*>(compressed_slot_mapping.const_data_ptr()),
-                            static_cast<const float*>(index_wk.const_data_ptr()),
-                            kv_cache.mutable_data_ptr(),
-                            compressed_key_cache.mutable_data_ptr(),
-                            rows,
-                            kv_cache.size(0),
-                            compressed_key_cache.size(0),
-                            pdl};
-  check_cuda(qsa::update_caches(p, stream), "update_caches");
-}
-
-void check_update(Tensor key, Tensor value, Tensor slot_mapping, Tensor compressed_slot_mapping,
-                  Tensor index_wk, Tensor kv_cache, Tensor compressed_key_cache) {
-  validate_update(key, value, slot_mapping, compressed_slot_mapping, index_wk, kv_cache,
-                  compressed_key_cache);
-}
-
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(qsa, CUDA, m) {
   m.impl("select_paged_tokens", TORCH_BOX(&select_paged_tokens));
   m.impl("sparse_paged_attention", TORCH_BOX(&sparse_paged_attention));
-  m.impl("update_caches", TORCH_BOX(&update_caches));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(qsa_check, CompositeExplicitAutograd, m) {
   m.impl("select_paged_tokens", TORCH_BOX(&check_select));
   m.impl("sparse_paged_attention", TORCH_BOX(&check_attention));
-  m.impl("update_caches", TORCH_BOX(&check_update));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -969,4 +893,3 @@ QSA_EXPORT int64_t qsa_select_launch_count(int64_t rows, int64_t table_width) {
 QSA_EXPORT int64_t qsa_attention_launch_count(int64_t rows) {
   return qsa::attention_launch_count(rows);
 }
-QSA_EXPORT int64_t qsa_update_launch_count(int64_t rows) { return qsa::update_launch_count(rows); }

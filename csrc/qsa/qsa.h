@@ -6,7 +6,7 @@
 // nothing is read back to the host, and nothing is allocated: the entry points are safe inside
 // CUDA-graph capture. Contract constants: contract.h (QSA_*).
 //
-// pdl (selection, attention, cache update): the launch carries the programmatic-dependent-launch
+// pdl (selection, attention): the launch carries the programmatic-dependent-launch
 // attribute, so that its CTAs may become resident while the kernel before it in the stream
 // finishes; each kernel waits for that kernel's completion before its first global access,
 // and lets the kernel after it start once its own heavy traffic is issued. Results are the
@@ -120,26 +120,5 @@ size_t attention_workspace_bytes(int64_t rows, int requested, int device);
 int64_t attention_counter_slots();
 int64_t attention_launch_count(int64_t rows);
 cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream);
-
-// ---------------------------------------------------------------------------------------------
-// Cache update: update_caches (contract section 3)
-// ---------------------------------------------------------------------------------------------
-struct UpdateParams {
-  const void* key;                         // [T, 256] float16, contiguous
-  const void* value;                       // [T, 256] float16, contiguous
-  const int64_t* slot_mapping;             // [T] int64: page * 512 + offset; else skipped
-  const int64_t* compressed_slot_mapping;  // [T] int64: page * 128 + j; else no key
-  const float* index_wk;                   // [128, 256] float32, contiguous
-  void* kv;                                // exact-packed [P, 512, 512] float16, contiguous
-  void* compressed_keys;                   // [Q, 128, 1, 128] float16, contiguous
-  int64_t rows;                            // T
-  int64_t pages;                           // P
-  int64_t compressed_pages;                // Q
-  bool pdl;                                // launched with programmatic dependent launch
-};
-
-// Number of kernel launches one call makes (2: K/V rows, then compressed keys; 0 if T == 0).
-int64_t update_launch_count(int64_t rows);
-cudaError_t update_caches(const UpdateParams& p, cudaStream_t stream);
 
 }  // namespace qsa

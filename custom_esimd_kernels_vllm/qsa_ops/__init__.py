@@ -45,12 +45,10 @@ __all__ = [
     "select_paged_tokens",
     "sparse_paged_attention",
     "summary",
-    "update_caches",
 ]
 
 _select = torch.ops.qsa.select_paged_tokens.default
 _attention = torch.ops.qsa.sparse_paged_attention.default
-_update = torch.ops.qsa.update_caches.default
 
 
 def _is_int(value: object) -> bool:
@@ -123,28 +121,6 @@ def sparse_paged_attention(
     except (RuntimeError, TypeError, ValueError) as exc:
         ops.raise_refusal(exc, "sparse_paged_attention", args, kwargs)
     return out
-
-
-def update_caches(
-    key: torch.Tensor,  # [T, 256] float16
-    value: torch.Tensor,  # [T, 256] float16
-    slot_mapping: torch.Tensor,  # [T] int64: page * 512 + offset, -1 = padded row
-    compressed_slot_mapping: torch.Tensor,  # [T] int64: page * 128 + j, -1 = none
-    index_wk: torch.Tensor,  # [128, 256] float32
-    kv_cache: torch.Tensor,  # [P, 512, 512] float16 exact-packed, written
-    compressed_key_cache: torch.Tensor,  # [Q, 128, 1, 128] float16, written
-) -> None:
-    """Write the step's K/V at their slots, then refresh the compressed key of every row with
-    a compressed slot from the 4 cached keys of its block (contract section "update_caches")."""
-    args = (key, value, slot_mapping, compressed_slot_mapping, index_wk, kv_cache,
-            compressed_key_cache)  # fmt: skip
-    if torch.compiler.is_compiling():
-        _update(*args)
-        return
-    try:
-        _update(*args)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        ops.raise_refusal(exc, "update_caches", args)
 
 
 def build_info() -> dict:

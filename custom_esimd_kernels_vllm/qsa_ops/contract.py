@@ -188,7 +188,7 @@ def _check_no_overlap(
 
 
 # ----------------------------------------------------------------------------------------
-# the seed's exact-packed K/V layout (the layout update_caches writes and the default of the
+# the seed's exact-packed K/V layout (the default of the
 # test cases; contract v2 accepts it as one layout among others)
 # ----------------------------------------------------------------------------------------
 
@@ -502,65 +502,3 @@ def validate_attention_args(
     if check_storage:
         _check_storage(_ATTENTION, tensors)
     return scale, kv_scales[0], kv_scales[1]
-
-
-# ----------------------------------------------------------------------------------------
-# update_caches: the third operator (docs/contract.md, section "update_caches")
-# ----------------------------------------------------------------------------------------
-
-# NOTES: the compressed key of a block is a float32 rule that every backend evaluates in the
-# same order (products, then halving folds), so that backends agree bit for bit.
-MEAN_SCALE = 0.25  # 1 / COMPRESS_RATIO, exact in float32
-
-_UPDATE = _OpSpec(
-    args=(
-        _Arg("key", (torch.float16,), shape=("T", HEAD_DIM)),
-        _Arg("value", (torch.float16,), shape=("T", HEAD_DIM)),
-        _Arg("slot_mapping", (torch.int64,), shape=("T",)),
-        _Arg("compressed_slot_mapping", (torch.int64,), shape=("T",)),
-        _Arg("index_wk", (torch.float32,), shape=(INDEX_DIM, HEAD_DIM)),
-        _Arg("kv_cache", (torch.float16,), shape=("P", KV_PAGE, PACKED_TOKEN_STRIDE)),
-        _Arg("compressed_key_cache", (torch.float16,), shape=("Q", CK_PAGE, 1, INDEX_DIM)),
-    ),
-    sizes={"T": (0, 0), "P": (5, 0), "Q": (6, 0)},
-)
-UPDATE_ARG_NAMES = _UPDATE.names
-
-
-def validate_update_args(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    compressed_slot_mapping: torch.Tensor,
-    index_wk: torch.Tensor,
-    kv_cache: torch.Tensor,
-    compressed_key_cache: torch.Tensor,
-    *,
-    check_storage: bool = True,
-) -> None:
-    """Refuse (TypeError/ValueError) any call of ``update_caches`` outside the contract.
-
-    The same ordered checks as the two other operators; ``kv_cache`` (the exact-packed
-    [P, 512, 512] buffer) and ``compressed_key_cache`` are the two outputs: neither may share
-    a byte with an input or with the other. ``check_storage`` as in validate_select_args.
-    """
-    tensors = (
-        key,
-        value,
-        slot_mapping,
-        compressed_slot_mapping,
-        index_wk,
-        kv_cache,
-        compressed_key_cache,
-    )
-    _check_tensors(_UPDATE, tensors)
-    if check_storage:
-        inputs, input_names = tensors[:5], _UPDATE.names[:5]
-        _check_no_overlap("kv_cache", kv_cache, input_names, inputs)
-        _check_no_overlap("compressed_key_cache", compressed_key_cache, input_names, inputs)
-        ck_range, kv_range = _byte_range(compressed_key_cache), _byte_range(kv_cache)
-        if ck_range and kv_range and ck_range[0] < kv_range[1] and kv_range[0] < ck_range[1]:
-            raise ValueError(
-                "compressed_key_cache must not overlap kv_cache (the other output), got bytes "
-                f"[{ck_range[0]:#x}, {ck_range[1]:#x}) and [{kv_range[0]:#x}, {kv_range[1]:#x})"
-            )

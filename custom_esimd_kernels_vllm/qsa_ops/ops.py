@@ -55,11 +55,6 @@ SCHEMAS: dict[str, str] = {
         "Tensor token_to_req, int page_size, Tensor(a!) out, float? softmax_scale=None, *, "
         "float? k_scale=None, float? v_scale=None, Tensor? gate=None) -> ()"
     ),
-    # NOTES: two outputs (the two caches); kv_cache is the exact-packed [P, 512, 512] buffer.
-    "update_caches": (
-        "(Tensor key, Tensor value, Tensor slot_mapping, Tensor compressed_slot_mapping, "
-        "Tensor index_wk, Tensor(a!) kv_cache, Tensor(b!) compressed_key_cache) -> ()"
-    ),
 }
 NAMESPACE = "qsa"
 CHECK_NAMESPACE = "qsa_check"
@@ -127,24 +122,6 @@ def check_attention(q, k_cache, v_cache, indices, page_table, token_to_req, page
     )  # fmt: skip
 
 
-def check_update(key, value, slot_mapping, compressed_slot_mapping, index_wk, kv_cache,
-                 compressed_key_cache, check_storage=True) -> None:  # fmt: skip
-    """contract.py's checks of update_caches' arguments (the Python twin of the C++ checks)."""
-    contract.validate_update_args(
-        key, value, slot_mapping, compressed_slot_mapping, index_wk, kv_cache,
-        compressed_key_cache, check_storage=check_storage,
-    )  # fmt: skip
-
-
-def _update_reference(*args) -> None:
-    check_update(*args)
-    reference.update_caches_ref(*args)
-
-
-def _update_fake(*args) -> None:
-    check_update(*args, check_storage=False)
-
-
 def _select_reference(q, ck, page_table, token_to_req, positions, lengths, topk, ratio, out):
     check_select(q, ck, page_table, token_to_req, positions, lengths, topk, ratio, out)
     reference.select_paged_tokens_ref(q, ck, page_table, token_to_req, positions, lengths, out)
@@ -171,22 +148,18 @@ def _attention_fake(*args, **kwargs) -> None:
 REFERENCE_KERNELS = {
     "select_paged_tokens": _select_reference,
     "sparse_paged_attention": _attention_reference,
-    "update_caches": _update_reference,
 }
 FAKE_KERNELS = {
     "select_paged_tokens": _select_fake,
     "sparse_paged_attention": _attention_fake,
-    "update_caches": _update_fake,
 }
 CHECKS = {
     "select_paged_tokens": check_select,
     "sparse_paged_attention": check_attention,
-    "update_caches": check_update,
 }
 VALIDATORS = {  # the public functions' argument lists
     "select_paged_tokens": contract.validate_select_args,
     "sparse_paged_attention": contract.validate_attention_args,
-    "update_caches": contract.validate_update_args,
 }
 
 
@@ -318,8 +291,6 @@ def _clib() -> ctypes.CDLL:
     lib.qsa_select_launch_count.argtypes = (ctypes.c_int64, ctypes.c_int64)
     lib.qsa_attention_launch_count.restype = ctypes.c_int64
     lib.qsa_attention_launch_count.argtypes = (ctypes.c_int64,)
-    lib.qsa_update_launch_count.restype = ctypes.c_int64
-    lib.qsa_update_launch_count.argtypes = (ctypes.c_int64,)
     return lib
 
 
@@ -349,11 +320,9 @@ def attention_splits(rows: int, device: int | None = None) -> int:
 
 
 def launch_counts(rows: int, table_width: int) -> dict[str, int]:
-    """Kernel launches one call makes: {"select_paged_tokens": n, "sparse_paged_attention": n,
-    "update_caches": n}."""
+    """Kernel launches one call makes: {"select_paged_tokens": n, "sparse_paged_attention": n}."""
     lib = _clib()
     return {
         "select_paged_tokens": int(lib.qsa_select_launch_count(rows, table_width)),
         "sparse_paged_attention": int(lib.qsa_attention_launch_count(rows)),
-        "update_caches": int(lib.qsa_update_launch_count(rows)),
     }

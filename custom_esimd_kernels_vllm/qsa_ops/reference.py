@@ -23,14 +23,10 @@ import torch
 
 from .contract import (
     BLOCK_TOPK,
-    CK_PAGE,
     COMPRESS_RATIO,
     HEAD_DIM,
     INDEX_DIM,
     INDEX_HEADS,
-    KV_PAGE,
-    MEAN_SCALE,
-    PACKED_TOKEN_STRIDE,
     SCORE_SCALE,
     TOKEN_TOPK,
     WIDTH,
@@ -265,77 +261,3 @@ def sparse_paged_attention_ref(
             result = result.to(out.dtype).float() * torch.sigmoid(gate[s].float())
         out[s].copy_(result)
     return out
-
-
-# ----------------------------------------------------------------------------------------
-# update_caches (docs/contract.md, section "update_caches")
-# ----------------------------------------------------------------------------------------
-
-# NOTES: compressed keys are computed for at most this many blocks at a time, so the float32
-# product temporary stays at 64 x 128 x 256 x 4 B = 8 MiB whatever the number of rows.
-_COMPRESS_CHUNK = 64
-
-
-def fold_sum(x: torch.Tensor) -> torch.Tensor:
-    """The contract's summation order over the last axis (a power of two): halving folds
-    ``x[..., :h] + x[..., h:2h]`` for h = width/2, ..., 1; each add rounds in float32."""
-    width = x.shape[-1]
-    while width > 1:
-        width //= 2
-        x = x[..., :width] + x[..., width : 2 * width]
-    return x[..., 0]
-
-
-def compress_block_keys(keys: torch.Tensor, index_wk: torch.Tensor) -> torch.Tensor:
-    """Compressed keys of whole blocks (the contract's rule, bit-exact).
-
-    keys: [N, 4, 256] float16, the block's 4 cached attention keys in token order;
-    index_wk: [128, 256] (cast to float32, exact for float16/bfloat16/float32 weights)
-    -> [N, 128] float16 = float16(fold_sum(W[i, :] * m)), m = (((K0 + K1) + K2) + K3) * 0.25.
-    """
-    w = index_wk.float()
-    out = torch.empty(keys.shape[0], INDEX_DIM, dtype=torch.float16, device=keys.device)
-    scale = torch.full((), MEAN_SCALE, dtype=torch.float32, device=keys.device)
-    for start in range(0, keys.shape[0], _COMPRESS_CHUNK):
-        k = keys[start : start + _COMPRESS_CHUNK].float()
-        mean = (((k[:, 0] + k[:, 1]) + k[:, 2]) + k[:, 3]) * scale  # [n, 256]
-        out[start : start + _COMPRESS_CHUNK] = fold_sum(w[None, :, :] * mean[:, None, :]).to(
-            torch.float16
-        )
-    return out
-
-
-def update_caches_ref(
-    key: torch.Tensor,  # [T, 256] float16
-    value: torch.Tensor,  # [T, 256] float16
-    slot_mapping: torch.Tensor,  # [T] int64, page * 512 + offset; outside [0, P*512): skip
-    compressed_slot_mapping: torch.Tensor,  # [T] int64, ck page * 128 + j; outside: none
-    index_wk: torch.Tensor,  # [128, 256] float32
-    kv_cache: torch.Tensor,  # [P, 512, 512] float16, exact-packed
-    compressed_key_cache: torch.Tensor,  # [Q, 128, 1, 128] float16
-) -> None:
-    """Reference of ``update_caches``: K/V rows at their slots, then the compressed key of
-    every row with a valid compressed slot from the 4 cached keys of its block.
-
-    NOTES: unlike the two other references this one indexes with boolean masks (a host
-    synchronisation on CUDA, not capturable): skipped rows must write nothing, and a masked
-    scatter whose skipped rows aim at a clamped slot could race with a real write there.
-    The CUDA kernel is the capturable backend.
-    """
-    pages, ck_pages = kv_cache.shape[0], compressed_key_cache.shape[0]
-    if key.shape[0] == 0 or pages == 0:
-        return
-    rows = kv_cache.view(pages * KV_PAGE, PACKED_TOKEN_STRIDE)
-    slots = slot_mapping.long()
-    valid = (slots >= 0) & (slots < pages * KV_PAGE)
-    rows[slots[valid]] = torch.cat([key, value], dim=-1)[valid]
-    if ck_pages == 0:
-        return
-    ck_slots = compressed_slot_mapping.long()
-    refresh = valid & (ck_slots >= 0) & (ck_slots < ck_pages * CK_PAGE)
-    first = slots[refresh] // COMPRESS_RATIO * COMPRESS_RATIO  # [N]
-    block_rows = first[:, None] + torch.arange(COMPRESS_RATIO, device=key.device)  # [N, 4]
-    keys = rows[block_rows, :HEAD_DIM]  # [N, 4, 256]
-    compressed_key_cache.view(ck_pages * CK_PAGE, INDEX_DIM)[ck_slots[refresh]] = (
-        compress_block_keys(keys, index_wk)
-    )

@@ -68,8 +68,7 @@ def test_cpp_kernel_follows_the_schema(op):
 
 def test_contract_validators_name_the_schema_arguments():
     for op, spec in (("select_paged_tokens", contract._SELECT),
-                     ("sparse_paged_attention", contract._ATTENTION),
-                     ("update_caches", contract._UPDATE)):  # fmt: skip
+                     ("sparse_paged_attention", contract._ATTENTION)):  # fmt: skip
         assert set(spec.names) <= set(ops.public_arguments(op))
         params = tuple(inspect.signature(ops.VALIDATORS[op]).parameters)
         assert params == (*ops.public_arguments(op), "check_storage")
@@ -140,14 +139,11 @@ def _outcome(fn, op: str, args):
 BASES = {
     "select_paged_tokens": ("seed", "vllm_bf16_784", "vllm_fp8_784"),
     "sparse_paged_attention": ("seed", "vllm_bf16_784", "vllm_fp8_784"),
-    "update_caches": ("seed",),
 }
 
 
 def _base_args(op: str, layout: str = "seed") -> list:
     """Every schema argument of ``op`` in order (keyword-only ones last)."""
-    if op == "update_caches":
-        return list(testing.make_update_case(6, seed=3).args())
     lay = testing.LAYOUTS[layout]
     if op == "select_paged_tokens":
         return list(testing.make_select_case("multi_request", 2, seed=3, layout=lay).args())
@@ -156,9 +152,7 @@ def _base_args(op: str, layout: str = "seed") -> list:
 
 
 def _shapes(op: str) -> dict[str, tuple]:
-    spec = {"update_caches": contract._UPDATE, "select_paged_tokens": contract._SELECT}.get(
-        op, contract._ATTENTION
-    )
+    spec = contract._SELECT if op == "select_paged_tokens" else contract._ATTENTION
     return {a.name: a.shape for a in spec.args}
 
 
@@ -167,15 +161,14 @@ def _op_names(op: str) -> list[str]:
 
 
 def _outputs(op: str) -> tuple[str, ...]:
-    return ("kv_cache", "compressed_key_cache") if op == "update_caches" else ("out",)
+    return ("out",)
 
 
 def _corpus(op: str, layout: str):
     args = _base_args(op, layout)
     names = _op_names(op)
     changes = testing.refusal_mutations(args, names, _shapes(op), _outputs(op))
-    if op != "update_caches":
-        changes += testing.contract_v2_mutations(args, names)
+    changes += testing.contract_v2_mutations(args, names)
     ints = [(n, i) for i, (t, n) in enumerate(ops.schema_arguments(op)) if t == "int"]
     for name, i in ints:
         changes.append((f"{name}: wrong value", i, args[i] * 2))

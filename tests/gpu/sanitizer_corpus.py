@@ -2,7 +2,7 @@
 
     compute-sanitizer --tool memcheck  python tests/gpu/sanitizer_corpus.py all
     compute-sanitizer --tool racecheck python tests/gpu/sanitizer_corpus.py select
-    (modes: all, select, attention, update)
+    (modes: all, select, attention)
 
 Every case is valid to the contract's validators but full of bad *values*: request ids out
 of range, page ids negative / >= P / huge, indices beyond the page table, positions past the
@@ -107,34 +107,6 @@ def attention_corpus():
             )  # fmt: skip
 
 
-def update_corpus():
-    yield testing.make_update_case(0, DEVICE, seed=1, padded=0, name="T=0")
-    yield testing.make_update_case(37, DEVICE, seed=2, name="padded")
-    yield testing.make_update_case(300, DEVICE, seed=3, every_row=True, name="every row")
-    case = testing.make_update_case(40, DEVICE, seed=4, name="bad slots")
-    p, q = case.kv_cache.shape[0], case.compressed_key_cache.shape[0]
-    bad = [-1, -(2**62), p * KV_PAGE, 2**62, p * KV_PAGE + 5, -513, 7, 2**31]
-    case.slot_mapping[: len(bad)] = torch.tensor(bad, device=DEVICE)
-    case.compressed_slot_mapping[: len(bad)] = torch.tensor(
-        [q * 128, -7, 3, 2**40, -1, q * 128 - 1, 2**31, 5], device=DEVICE
-    )
-    yield case
-
-
-def run_update() -> int:
-    n = 0
-    for case in update_corpus():
-        want = case.clone()
-        reference.update_caches_ref(*want.args())
-        qsa_ops.update_caches(*case.args())
-        assert torch.equal(case.kv_cache, want.kv_cache), f"{case!r}: K/V differ from the reference"
-        assert torch.equal(case.compressed_key_cache, want.compressed_key_cache), (
-            f"{case!r}: compressed keys differ from the reference"
-        )
-        n += 1
-    return n
-
-
 def run_select() -> int:
     """Every case through both selection paths (QSA_SELECT_PATH: the kernel's choice, then
     the generic path for every row)."""
@@ -163,16 +135,24 @@ def run_attention() -> int:
     return n
 
 
+USAGE = "usage: sanitizer_corpus.py [all | select | attention]"
+
+
 def main(argv: list[str]) -> int:
-    os.environ.setdefault("QSA_BACKEND", "cuda")
     which = argv[0] if argv else "all"
+    if which in ("-h", "--help"):
+        print(USAGE)
+        print(__doc__)
+        return 0
+    if len(argv) > 1 or which not in ("all", "select", "attention"):
+        print(USAGE, file=sys.stderr)
+        return 2
+    os.environ.setdefault("QSA_BACKEND", "cuda")
     counts = {}
     if which in ("all", "select"):
         counts["select"] = run_select()
     if which in ("all", "attention"):
         counts["attention"] = run_attention()
-    if which in ("all", "update"):
-        counts["update"] = run_update()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     print(f"sanitizer corpus ran: {counts}")

@@ -287,14 +287,11 @@ def _pdl_case(op):
     if op == "select":
         case = _select_case(2)
         return qsa_ops.select_paged_tokens, case, (case.out,)
-    if op == "attention":
-        case = _attention_case(2)
-        return qsa_ops.sparse_paged_attention, case, (case.out,)
-    case = testing.make_update_case(64, DEVICE, seed=7)
-    return qsa_ops.update_caches, case, (case.kv_cache, case.compressed_key_cache)
+    case = _attention_case(2)
+    return qsa_ops.sparse_paged_attention, case, (case.out,)
 
 
-@pytest.mark.parametrize("op", ["select", "attention", "update"])
+@pytest.mark.parametrize("op", ["select", "attention"])
 def test_pdl_knob_refuses_unknown_values(cuda_backend, monkeypatch, op):
     call, case, outputs = _pdl_case(op)
     before = [t.clone() for t in outputs]
@@ -306,7 +303,7 @@ def test_pdl_knob_refuses_unknown_values(cuda_backend, monkeypatch, op):
         assert torch.equal(t.nan_to_num(7.0), b.nan_to_num(7.0)), "written before the refusal"
 
 
-@pytest.mark.parametrize("op", ["select", "attention", "update"])
+@pytest.mark.parametrize("op", ["select", "attention"])
 def test_pdl_off_and_on_agree(cuda_backend, monkeypatch, op):
     """The same call with QSA_PDL=0 and with the default: the same bits."""
     call, case, outputs = _pdl_case(op)

@@ -21,22 +21,18 @@ _ADDRESS = re.compile(r"0x[0-9a-f]+")
 
 
 def _public_case(op: str, device: str):
-    if op == "update_caches":
-        return testing.make_update_case(6, device, seed=3)
     if op == "select_paged_tokens":
         return testing.make_select_case("multi_request", 2, device, seed=3)
     return testing.make_attention_case("holes_dups_cross_page", 2, device, seed=3)
 
 
 def _shapes(op: str) -> dict[str, tuple]:
-    spec = {"select_paged_tokens": contract._SELECT, "update_caches": contract._UPDATE}.get(
-        op, contract._ATTENTION
-    )
+    spec = contract._SELECT if op == "select_paged_tokens" else contract._ATTENTION
     return {a.name: a.shape for a in spec.args}
 
 
 def _outputs(op: str) -> tuple[str, ...]:
-    return ("kv_cache", "compressed_key_cache") if op == "update_caches" else ("out",)
+    return ("out",)
 
 
 def _written(op: str, args) -> list:
@@ -77,11 +73,8 @@ def _mutations(op: str, device: str):
         args += [case.kwargs()[k] for k in ops.keyword_only(op)]
     names = ops.public_arguments(op)
     changes = testing.refusal_mutations(args, names, _shapes(op), _outputs(op))
-    if op != "update_caches":
-        changes += testing.contract_v2_mutations(args, names)
-    if op == "update_caches":
-        pass  # no int arguments; the schema's tensors are the whole corpus
-    elif op == "sparse_paged_attention":
+    changes += testing.contract_v2_mutations(args, names)
+    if op == "sparse_paged_attention":
         k, v = names.index("k_cache"), names.index("v_cache")
         changes.append(("v_cache: offset 0", v, args[k]))
         changes.append(("v_cache: own storage", v, args[v].clone()))
