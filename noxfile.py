@@ -56,7 +56,7 @@ image = session("image")  # the CPU test image, the suite inside it (offline)
 kernels = session("kernels", venv=False)  # GPU host: -- [--wheel W]; validation record
 bench = session("bench", venv=False)  # GPU host: the benchmark
 overlay = session("overlay")  # the vLLM source overlay [-- --tree PATH]
-e2e = session("e2e")  # serve the tiny QSA checkpoint with vLLM, tests/e2e
+e2e = session("e2e")  # serve the tiny Qwen4Exp checkpoints with vLLM, tests/e2e
 gsm8k = session("gsm8k")  # GSM8K gate: mechanics on CPU, or -- --base-url URL
 
 

@@ -34,28 +34,15 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# Run as a script, ci/ is sys.path[0], where ci/packaging.py would shadow the `packaging`
-# distribution that transformers imports: take it off the path, load the tokenizer by file.
+# Run as a script, ci/ is sys.path[0], where a module of ci/ could shadow a distribution that
+# transformers imports: take it off the path.
 if sys.path and Path(sys.path[0] or ".").resolve() == HERE:
     sys.path.pop(0)
 
-import importlib.util  # noqa: E402
-
 import torch  # noqa: E402
 
-
-def _tiny_model_module():
-    spec = importlib.util.spec_from_file_location(
-        "_qsa_make_tiny_model", HERE / "make_tiny_model.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_tiny = _tiny_model_module()
-BOS, EOS, train_tokenizer = _tiny.BOS, _tiny.EOS, _tiny.train_tokenizer
-
+CORPUS = HERE / "e2e" / "corpus.txt"
+BOS, EOS = "<|bos|>", "<|eos|>"
 VOCAB_SIZE = 1024
 HIDDEN = 256
 LAYERS = 2
@@ -166,6 +153,23 @@ def make_model(config, seed: int):
         for name, param in sorted(model.named_parameters()):
             param.copy_(_fill(name, param, gen, u))
     return model.to(torch.bfloat16)
+
+
+def train_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer trained on ci/e2e/corpus.txt (no hub)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS.read_text().splitlines(), trainer=trainer)
+    return tokenizer
 
 
 def make_checkpoint(out: Path, tp: int = 1, mixed: bool = False, seed: int = 0) -> Path:

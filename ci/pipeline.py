@@ -45,7 +45,7 @@ def overlay(env: Env) -> None:
 
 
 def e2e(env: Env) -> None:
-    """Serve the tiny QSA checkpoint with vLLM (the overlay applied) and run tests/e2e."""
+    """Serve the tiny Qwen4Exp checkpoints with vLLM (the overlay applied) and run tests/e2e."""
     nox_vllm.e2e(env, env)
     run = records.current_run()
     if run is not None and env.bin_dir is not None:

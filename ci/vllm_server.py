@@ -40,8 +40,8 @@ from pathlib import Path
 import requests
 
 SHUTDOWN_TIMEOUT_S = 10  # vLLM drains and stops its workers within this after SIGTERM
-DEFAULT_ARGS = (
-    "--enforce-eager", "--dtype", "float32", "--max-model-len", "4096",
+DEFAULT_ARGS = (  # bfloat16: what vLLM's Qwen4Exp QSA takes
+    "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "4096",
     "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
 )  # fmt: skip
 SHM = Path("/dev/shm")

@@ -74,9 +74,9 @@ def run_by_ci(command: str) -> bool:
     if argv[:4] == ["python3", "-m", "nox", "-s"]:
         sessions = argv[4 : argv.index("--")] if "--" in argv else argv[4:]
         return bool(sessions) and set(sessions) <= CI_SESSIONS
-    if argv[:2] == ["python", "ci/make_tiny_model.py"]:
-        # nox -s e2e makes its checkpoint with the function behind this command line.
-        tiny = (ROOT / "ci" / "make_tiny_model.py").read_text()
+    if argv[:2] == ["python", "ci/make_tiny_qwen4exp.py"]:
+        # nox -s e2e makes its checkpoints with the function behind this command line.
+        tiny = (ROOT / "ci" / "make_tiny_qwen4exp.py").read_text()
         e2e = "".join(p.read_text() for p in (ROOT / "tests" / "e2e").glob("*.py"))
         return "def make_checkpoint" in tiny and "__main__" in tiny and "make_checkpoint" in e2e
     env = dict(a.split("=", 1) for a in argv if re.fullmatch(r"[A-Z_]+=\S*", a))

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-MODEL = "qsa-tiny"
+MODEL = "qsa-tiny"  # the name ci/vllm_server.py serves the checkpoint under
 NEW_TOKENS = 8
 FIRST_ID = 2  # ids 0 and 1 are the tokenizer's <|bos|> and <|eos|>
 VOCAB = 1024
@@ -18,20 +18,24 @@ def prompt(length: int, seed: int) -> list[int]:
     return [rng.randrange(FIRST_ID, VOCAB) for _ in range(length)]
 
 
-def greedy(
-    base_url: str, ids: list[int], max_tokens: int = NEW_TOKENS, timeout: float = 900
-) -> list[int]:
+def completion(base_url: str, ids: list[int], **extra) -> dict:
+    """The one choice of a greedy completion of NEW_TOKENS tokens (``extra``: more fields)."""
     body = {
         "model": MODEL,
         "prompt": ids,
-        "max_tokens": max_tokens,
+        "max_tokens": NEW_TOKENS,
         "temperature": 0.0,
         "ignore_eos": True,
         "return_token_ids": True,
+        **extra,
     }
-    response = requests.post(f"{base_url}/v1/completions", json=body, timeout=timeout)
+    response = requests.post(f"{base_url}/v1/completions", json=body, timeout=900)
     assert response.status_code == 200, f"HTTP {response.status_code}: {response.text[:500]}"
-    return list(response.json()["choices"][0]["token_ids"])
+    return response.json()["choices"][0]
+
+
+def greedy(base_url: str, ids: list[int]) -> list[int]:
+    return list(completion(base_url, ids)["token_ids"])
 
 
 def greedy_concurrently(base_url: str, prompts: list[list[int]]) -> list[list[int]]:

@@ -16,20 +16,6 @@ for path in (ROOT / "ci", Path(__file__).resolve().parent):
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
-    from make_tiny_model import make_checkpoint
-
-    return make_checkpoint(tmp_path_factory.mktemp("qsa-tiny-tp1"), tp=1, seed=0)
-
-
-@pytest.fixture(scope="session")
-def tiny_model_tp2(tmp_path_factory) -> Path:
-    from make_tiny_model import make_checkpoint
-
-    return make_checkpoint(tmp_path_factory.mktemp("qsa-tiny-tp2"), tp=2, seed=0)
-
-
-@pytest.fixture(scope="session")
 def tiny_qwen4exp(tmp_path_factory) -> Path:
     from make_tiny_qwen4exp import make_checkpoint
 

@@ -32,6 +32,8 @@ def test_tiny_qwen4exp_is_deterministic(tmp_path):
     a = make_checkpoint(tmp_path / "a", tp=1, seed=0)
     b = make_checkpoint(tmp_path / "b", tp=1, seed=0)
     assert _digest(a) == _digest(b)
+    c = make_checkpoint(tmp_path / "c", tp=1, seed=1)
+    assert _digest(c)["model.safetensors"] != _digest(a)["model.safetensors"]
     config = json.loads((a / "config.json").read_text())
     assert config["architectures"] == ["Qwen4ExpForCausalLM"]
     assert config["model_type"] == "qwen4_exp_text"
@@ -210,3 +212,47 @@ def test_store_kv_packs_k_then_v(scales):
         stored.float().abs().sum()
         == stored[1, 0, 1].float().abs().sum() + stored[2, 0, 1].float().abs().sum()
     )
+
+
+# --------------------------------------------------------------------------------------------
+# the routed attention on vLLM's pages
+# --------------------------------------------------------------------------------------------
+
+
+def test_routed_attention_reads_vllm_pages_and_zeroes_padding():
+    """``forward_qsa`` on one layer's view of a block-outermost cache (two layers per block,
+    [P, H, N, K | V] each) with 3 padded rows, as vLLM pads a CUDA graph's batch: the real
+    rows == softmax attention over the selected tokens gathered through the block table, gated;
+    the padded rows are zeros whatever the buffer held."""
+    from types import SimpleNamespace
+
+    from custom_esimd_kernels_vllm.qsa_ops.contract import WIDTH
+
+    gen = torch.Generator().manual_seed(2)
+    page, pages, real, rows, heads, dim = 16, 4, 5, 8, 3, 256
+    cache = torch.randn(pages, 2, 1, page, 2 * dim, generator=gen).to(torch.bfloat16)
+    kv_cache = cache[:, 1]  # the second layer's pages: strided, one block apart
+    table = torch.tensor([[2, 0, 3]], dtype=torch.int32)  # logical page -> physical
+    selected = torch.full((rows, WIDTH + 1), -1, dtype=torch.int32)  # upstream's [T, 2052]
+    for r in range(real):
+        picked = torch.randperm(3 * page, generator=gen)[: 7 + 5 * r]
+        selected[r, : picked.numel()] = picked.to(torch.int32)
+    query = torch.randn(rows, heads, dim, generator=gen).to(torch.bfloat16)
+    gate = torch.randn(rows, heads * dim, generator=gen).to(torch.bfloat16)
+    output = torch.full((rows, heads, dim), 7.0, dtype=torch.bfloat16)  # stale values
+    impl = qwen4exp._make_impl_cls(object)()
+    impl.num_heads, impl.head_size, impl.kv_cache_dtype, impl.scale = heads, dim, "auto", 0.0625
+    layer = SimpleNamespace(topk_indices_buffer=selected)
+    metadata = SimpleNamespace(num_actual_tokens=real, block_table=table)
+    to_req = torch.zeros(rows, dtype=torch.int32)
+    impl.forward_qsa(layer, query, None, None, kv_cache, metadata, output, to_req, False, gate)
+
+    assert output[real:].abs().sum() == 0
+    for r in range(real):
+        tokens = selected[r][selected[r] >= 0].long()
+        rows_kv = kv_cache[table[0, tokens // page].long(), 0, tokens % page].float()
+        keys, values = rows_kv[:, :dim], rows_kv[:, dim:]
+        weights = torch.softmax(query[r].float() @ keys.T * impl.scale, dim=-1)
+        attn = (weights @ values).to(torch.bfloat16).float()
+        want = attn * torch.sigmoid(gate[r].view(heads, dim).float())
+        torch.testing.assert_close(output[r].float(), want, atol=2e-2, rtol=2e-2)

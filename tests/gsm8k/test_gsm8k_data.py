@@ -96,7 +96,7 @@ def test_tiny_config_is_a_mechanics_check() -> None:
 
 
 def test_release_config_demands_a_threshold() -> None:
-    config = gsm8k_gate.load_config(CONFIG_DIR / "qwen38-qsa-tp8.json")
+    config = gsm8k_gate.load_config(CONFIG_DIR / "qwen4exp-qsa-tp8.json")
     assert config.threshold is None and config.data == "gsm8k" and config.num_questions is None
 
 

@@ -109,7 +109,7 @@ SCRIPTS = [
     ["ci/nox_gsm8k.py"],
     ["ci/nox_vllm.py"],
     ["ci/vllm_server.py"],
-    ["ci/make_tiny_model.py"],
+    ["ci/make_tiny_qwen4exp.py"],
     ["ci/readme_figures.py"],
     ["docker/images.py"],
     ["-m", "ci.pipeline"],
