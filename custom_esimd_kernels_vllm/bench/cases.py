@@ -13,6 +13,12 @@ Two groups of cases:
   tokens. For attention every row lists 2,051 distinct valid tokens drawn from its C tokens,
   so C only changes the page table (M = C / 512 pages per request) and the pool size; for
   selection C is the work: C / 4 blocks are scored per row.
+* ``dtype``: the scale rows R in {1, 8, 64, 256} again, in contract v2's other dtypes and
+  layouts (``VARIANTS``, from ``qsa_ops.testing.LAYOUTS``): bfloat16 and float8 K/V (+ float8
+  indexer) on vLLM's layout (784-token pages whose page stride spans 4 layers, the [T, 2052]
+  index buffer viewed as [T, 2051], strided page-table rows, the output gate), and bfloat16 on
+  packed 512-token pages (the same layout with the seed's page geometry). One context per R
+  (``VARIANT_CONTEXTS``: the performance table's), so that the grid keeps its time budget.
 
 NOTES: the scale inputs are generated here rather than with ``qsa_ops.testing``'s scale
 builders for two reasons: those put every row on one request (rows then share most of their
@@ -23,12 +29,14 @@ the target device with a seeded generator, so every run measures the same data.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from ..qsa_ops import contract
 from ..qsa_ops.reference import visible_tokens
+from ..qsa_ops.testing import LAYOUTS, Layout
 
 ATTENTION = "attention"
 SELECTION = "selection"
@@ -41,10 +49,57 @@ SCALE_CONTEXTS = (8 * 1024, 32 * 1024, 128 * 1024)
 # would need 32 GiB at R=256 x 128K; the pool is capped at 4,096 pages (2 GiB) and requests
 # then share physical pages at random. The selected tokens of one call (R x 2,051 KiB, at
 # most 513 MiB) still land on random pages, so the cap changes neither the bytes a kernel
-# must read nor its access pattern.
-ATTENTION_POOL_CAP = 4096
+# must read nor its access pattern. The cap is in tokens (2M = 4,096 x 512), so that every
+# layout draws its rows from as many distinct tokens (an 8.6 GB pool for vLLM's bfloat16
+# 784-token pages of 4 layers, whose other layers' pages are allocated, never read).
+ATTENTION_POOL_TOKENS = 4096 * contract.KV_PAGE
+ATTENTION_POOL_CAP = ATTENTION_POOL_TOKENS // contract.KV_PAGE  # the seed layout's pages
 SEED_ATTENTION_CONTEXT = 8 * contract.KV_PAGE  # qsa_ops.testing's valid-width cases: 8 pages
 SEED_P8192_POOL = 8192
+
+
+SEED_LAYOUT = "seed"
+# The dtype/layout variants of the grid: name -> (qsa_ops.testing.Layout, label in the reports).
+# "bf16_packed_512" is vLLM's bfloat16 layout with the seed's page geometry (packed 512-token
+# pages of one layer, no page-table padding): beside "vllm_bf16_784" it isolates the pages.
+VARIANTS: dict[str, tuple[Layout, str]] = {
+    SEED_LAYOUT: (LAYOUTS["seed"], "fp16 seed p512"),
+    "vllm_bf16_784": (LAYOUTS["vllm_bf16_784"], "bf16 vLLM p784 gate"),
+    "vllm_fp8_784": (LAYOUTS["vllm_fp8_784"], "fp8 vLLM p784 gate"),
+    "bf16_packed_512": (
+        dataclasses.replace(
+            LAYOUTS["vllm_bf16_784"], page_size=contract.KV_PAGE, keys_per_page=contract.CK_PAGE,
+            layers=1, table_pad=0,
+        ),
+        "bf16 packed p512 gate",
+    ),
+}  # fmt: skip
+DTYPE_VARIANTS = ("vllm_bf16_784", "vllm_fp8_784", "bf16_packed_512")
+
+
+def layout_of(name: str) -> Layout:
+    if name not in VARIANTS:
+        raise ValueError(f"layout must be one of {', '.join(VARIANTS)}, got {name!r}")
+    return VARIANTS[name][0]
+
+
+def variant_label(name: str) -> str:
+    return VARIANTS[name][1] if name in VARIANTS else name
+
+
+def dtype_names(layout: Layout) -> dict[str, str]:
+    """The dtypes of a layout as short names (reports): q / cache / indexer."""
+
+    def short(dt: torch.dtype) -> str:
+        return {torch.float16: "fp16", torch.bfloat16: "bf16", contract.FP8: "fp8"}.get(
+            dt, str(dt).replace("torch.", "")
+        )
+
+    return {
+        "q": short(layout.dtype),
+        "kv": short(layout.cache_dtype),
+        "index": short(layout.select_dtype),
+    }
 
 
 @dataclass(frozen=True)
@@ -64,10 +119,20 @@ class CaseSpec:
     # cases it lists; torch.compile runs on these by default
     target_us: float | None = None
     testing_case: str | None = None  # the qsa_ops.testing seed case it is built from
+    layout: str = SEED_LAYOUT  # a key of VARIANTS: dtypes and layout of the tensors
+    validation: bool = False  # in the validation subset without a latency target
 
     @property
     def target(self) -> bool:
         return self.target_us is not None
+
+    @property
+    def in_validation(self) -> bool:
+        return self.target or self.validation
+
+    @property
+    def lay(self) -> Layout:
+        return layout_of(self.layout)
 
     @property
     def key(self) -> str:
@@ -85,6 +150,10 @@ class CaseSpec:
             "profile": self.profile,
             "target_us": self.target_us,
             "testing_case": self.testing_case,
+            "layout": self.layout,
+            "layout_label": variant_label(self.layout),
+            "validation": self.validation,
+            "dtypes": dtype_names(self.lay),
         }
 
 
@@ -144,6 +213,41 @@ def scale_cases(
     ]
 
 
+# One context per R for the dtype variants: the performance table's (attention: 32K, where the
+# context changes only the page table; selection: 128K at R <= 8, 32K beyond).
+VARIANT_CONTEXTS: dict[str, dict[int, int]] = {
+    ATTENTION: {r: 32 * 1024 for r in SCALE_ROWS},
+    SELECTION: {1: 128 * 1024, 8: 128 * 1024, 64: 32 * 1024, 256: 32 * 1024},
+}
+# The issue's targets for the float8 path (graph replay, L2-cold, median, µs) ...
+VARIANT_TARGETS: dict[tuple[str, str], dict[tuple[int, int], float]] = {
+    (ATTENTION, "vllm_fp8_784"): {(64, 32 * 1024): 25.0, (256, 32 * 1024): 72.0},
+    (SELECTION, "vllm_fp8_784"): {(1, 128 * 1024): 11.0},
+}
+# ... and the bfloat16 vLLM-layout cases of the validation subset (no target of their own)
+VARIANT_VALIDATION: dict[tuple[str, str], tuple[tuple[int, int], ...]] = {
+    (ATTENTION, "vllm_bf16_784"): ((64, 32 * 1024),),
+    (SELECTION, "vllm_bf16_784"): ((1, 128 * 1024),),
+}
+
+
+def dtype_cases(
+    rows: tuple[int, ...] = SCALE_ROWS, layouts: tuple[str, ...] = DTYPE_VARIANTS
+) -> list[CaseSpec]:
+    """The scale rows in the other dtypes and layouts, at one context per R."""
+    out = []
+    for op in OPS:
+        for lay in layouts:
+            for r in rows:
+                c = VARIANT_CONTEXTS[op][r]
+                out.append(CaseSpec(
+                    op, "dtype", f"R={r} ctx={_ctx_label(c)} {variant_label(lay)}", r, c,
+                    target_us=VARIANT_TARGETS.get((op, lay), {}).get((r, c)), layout=lay,
+                    validation=(r, c) in VARIANT_VALIDATION.get((op, lay), ()),
+                ))  # fmt: skip
+    return out
+
+
 def quick_cases() -> list[CaseSpec]:
     """A tiny grid for the CPU reference (CI proves the harness): two seeds, then two rows
     times two contexts per operator."""
@@ -160,14 +264,16 @@ def quick_cases() -> list[CaseSpec]:
 
 
 def target_cases() -> list[CaseSpec]:
-    """The performance-table cases only (the timing section of the GPU validation record)."""
-    return [c for c in seed_cases() + scale_cases() if c.target]
+    """The validation subset (the timing section of the GPU validation record): the
+    performance-table cases and the dtype cases with a target or marked for it."""
+    return [c for c in seed_cases() + scale_cases() + dtype_cases() if c.in_validation]
 
 
 GRIDS = {
-    "default": lambda: seed_cases() + scale_cases(),
+    "default": lambda: seed_cases() + scale_cases() + dtype_cases(),
     "seed": seed_cases,
     "scale": scale_cases,
+    "dtype": dtype_cases,
     "targets": target_cases,
     "quick": quick_cases,
 }
@@ -189,14 +295,19 @@ def grid(name: str, ops: tuple[str, ...] = OPS) -> list[CaseSpec]:
 
 @dataclass
 class CaseInputs:
-    """The arguments of one call (names as in the operator signatures) plus the pool: the
-    physical page buffer that rotation tiles (``kv`` [P, 512, 512] for attention, the
-    compressed-key cache [P, 128, 1, 128] for selection)."""
+    """The arguments of one call (names as in the operator signatures; the float8 scales as
+    floats) plus the pool and the buffers the strided views come from: the pool is the physical
+    page buffer that rotation tiles, block-outermost ``[P, layers, page, 512]`` (attention: per
+    token 256 K then 256 V values) or ``[P, layers, C, 128]`` (selection's compressed keys);
+    the caches are views of its last layer (``pool_views``). ``index_buffer`` / ``out_base``
+    hold ``logical_indices`` / selection's ``out`` as row views (``row_views``), and the page
+    table is a row view of a padded buffer when the layout pads it."""
 
     op: str
     tensors: dict[str, torch.Tensor]
     pool_name: str
     notes: list[str] = field(default_factory=list)
+    layout: Layout = LAYOUTS["seed"]
 
     @property
     def pool(self) -> torch.Tensor:
@@ -205,6 +316,9 @@ class CaseInputs:
     @property
     def pages(self) -> int:
         return self.pool.shape[0]
+
+
+POOL_NAMES = {ATTENTION: "kv", SELECTION: "ck_pool"}
 
 
 def _generator(device: torch.device, seed: int) -> torch.Generator:
@@ -227,6 +341,59 @@ def packed_kv_views(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     k = kv.as_strided(shape, strides, base)
     v = kv.as_strided(shape, strides, base + contract.V_OFFSET)
     return k, v
+
+
+def pool_views(op: str, pool: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The cache views of a block-outermost pool: its last layer's pages (page stride =
+    layers x page). Attention: ``k_cache`` / ``v_cache`` [P, page, 1, 256] (for one layer of
+    512-token pages exactly the seed's packed views); selection: ``compressed_key_cache``
+    [P, C, 1, 128]."""
+    layer = pool[:, -1]  # [P, page, D]
+    if op == ATTENTION:
+        return {
+            "k_cache": layer[..., : contract.HEAD_DIM].unsqueeze(2),
+            "v_cache": layer[..., contract.HEAD_DIM :].unsqueeze(2),
+        }
+    return {"compressed_key_cache": layer.unsqueeze(2)}
+
+
+# views of the row buffers: (view, buffer); the view is the buffer's first 2051 columns
+ROW_VIEWS = (("logical_indices", "index_buffer"), ("out", "out_base"))
+
+
+def row_views(args: dict) -> dict:
+    """Set the 2051-column row views of the row buffers present in ``args`` (in place)."""
+    for view, base in ROW_VIEWS:
+        if base in args:
+            args[view] = args[base][:, : contract.WIDTH]
+    return args
+
+
+def padded_rows(table: torch.Tensor, pad: int) -> torch.Tensor:
+    """``table`` [B, M] as a row view of a [B, M + pad] buffer (extra columns: page 0, never
+    read), as vLLM's block tables are; ``pad`` 0 gives ``table`` itself."""
+    if not pad:
+        return table
+    wide = torch.zeros(table.shape[0], table.shape[1] + pad, dtype=table.dtype,
+                       device=table.device)  # fmt: skip
+    wide[:, : table.shape[1]] = table
+    return wide[:, : table.shape[1]]
+
+
+def random_values(
+    shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator, device
+) -> torch.Tensor:
+    """Standard normal values in ``dtype``, drawn on ``device``; float8 is drawn in bfloat16
+    and converted, page by page (dim 0) in chunks of about 2**26 elements."""
+    if dtype != contract.FP8:
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype)
+    out = torch.empty(shape, dtype=dtype, device=device)
+    per = max(1, out[0].numel()) if out.dim() and shape[0] else 1
+    step = max(1, (1 << 26) // per)
+    for start in range(0, shape[0] if out.dim() else 0, step):
+        part = out[start : start + step]
+        part.copy_(torch.randn(part.shape, generator=g, device=device, dtype=torch.bfloat16))
+    return out
 
 
 def random_page_table(
@@ -259,90 +426,117 @@ def random_distinct_tokens(
     return torch.cat(parts) if parts else torch.empty(0, count, dtype=torch.long, device=device)
 
 
-def _pages_for(tokens: int) -> int:
-    return max(1, -(-tokens // contract.KV_PAGE))
+def _pages_for(tokens: int, page: int = contract.KV_PAGE) -> int:
+    return max(1, -(-tokens // page))
+
+
+def index_buffer(indices: torch.Tensor, stride: int) -> torch.Tensor:
+    """[R, stride] int32 holding ``indices`` [R, 2051] (valid entries first, then -1) in its
+    first 2051 columns; with stride > 2051 (vLLM's [T, 2052]), column 2051 holds each row's
+    valid count, as vLLM's expand kernel writes it (vLLM's attention reads it)."""
+    rows = indices.shape[0]
+    buf = torch.full((rows, max(stride, contract.WIDTH)), -1, dtype=torch.int32,
+                     device=indices.device)  # fmt: skip
+    buf[:, : contract.WIDTH] = indices
+    if stride > contract.WIDTH:
+        buf[:, contract.WIDTH] = (indices >= 0).sum(dim=1).to(torch.int32)
+    return buf
 
 
 def build_attention(spec: CaseSpec, device: torch.device, seed: int = 0) -> CaseInputs:
+    lay = spec.lay
+    if lay.kv != "packed":
+        raise ValueError(f"the benchmark builds packed K/V layouts only, got {lay.kv!r}")
     g = _generator(device, seed)
     rows, requests = spec.rows, spec.rows
-    pages_per_request = _pages_for(spec.context)
-    pool = spec.pool_pages or min(requests * pages_per_request, ATTENTION_POOL_CAP)
+    page = lay.page_size
+    pages_per_request = _pages_for(spec.context, page)
+    pool = spec.pool_pages or min(requests * pages_per_request, ATTENTION_POOL_TOKENS // page)
     pool = max(pool, pages_per_request)
-    half = torch.float16
-    kv = torch.randn(
-        pool, contract.KV_PAGE, 2 * contract.HEAD_DIM, generator=g, device=device, dtype=half
-    )
-    k_cache, v_cache = packed_kv_views(kv)
+    kv = random_values((pool, lay.layers, page, 2 * contract.HEAD_DIM), lay.cache_dtype, g, device)
     indices = torch.full((rows, contract.WIDTH), -1, dtype=torch.int32, device=device)
     tokens = random_distinct_tokens(rows, spec.width, spec.context, g, device)
     indices[:, : spec.width] = tokens.to(torch.int32)
+    heads = (rows, contract.ATTN_HEADS, contract.HEAD_DIM)
     tensors = {
-        "q": torch.randn(
-            rows, contract.ATTN_HEADS, contract.HEAD_DIM, generator=g, device=device, dtype=half
-        ),
+        "q": random_values(heads, lay.dtype, g, device),
         "kv": kv,
-        "k_cache": k_cache,
-        "v_cache": v_cache,
-        "logical_indices": indices,
-        "page_table": random_page_table(requests, pages_per_request, pool, g, device),
+        **pool_views(ATTENTION, kv),
+        "index_buffer": index_buffer(indices, lay.index_stride),
+        "page_table": padded_rows(
+            random_page_table(requests, pages_per_request, pool, g, device), lay.table_pad
+        ),
         "token_to_req": torch.arange(rows, dtype=torch.int32, device=device),
-        "out": torch.empty(rows, contract.ATTN_HEADS, contract.HEAD_DIM, dtype=half, device=device),
+        "out": torch.empty(heads, dtype=lay.dtype, device=device),
     }
-    return CaseInputs(ATTENTION, tensors, "kv")
+    if lay.gate:
+        tensors["gate"] = 2 * random_values(heads, lay.dtype, g, device)
+    k_scale, v_scale = lay.scales
+    if k_scale is not None:
+        tensors["k_scale"], tensors["v_scale"] = k_scale, v_scale
+    return CaseInputs(ATTENTION, row_views(tensors), "kv", layout=lay)
 
 
 def build_selection(spec: CaseSpec, device: torch.device, seed: int = 0) -> CaseInputs:
+    lay = spec.lay
     g = _generator(device, seed)
     rows, requests = spec.rows, spec.rows
-    pages_per_request = _pages_for(spec.context)
+    per_page = lay.keys_per_page
+    pages_per_request = _pages_for(spec.context, contract.COMPRESS_RATIO * per_page)
     pool = max(spec.pool_pages or requests * pages_per_request, pages_per_request)
-    half = torch.float16
+    dtype = lay.select_dtype
+    ck_pool = random_values((pool, lay.layers, per_page, contract.INDEX_DIM), dtype, g, device)
+    out_base = torch.empty(rows, max(lay.index_stride, contract.WIDTH), dtype=torch.int32,
+                           device=device)  # fmt: skip
     tensors = {
-        "q": torch.randn(
-            rows, contract.INDEX_HEADS, contract.INDEX_DIM, generator=g, device=device, dtype=half
+        "q": random_values((rows, contract.INDEX_HEADS, contract.INDEX_DIM), dtype, g, device),
+        "ck_pool": ck_pool,
+        **pool_views(SELECTION, ck_pool),
+        "page_table": padded_rows(
+            random_page_table(requests, pages_per_request, pool, g, device), lay.table_pad
         ),
-        "compressed_key_cache": torch.randn(
-            pool, contract.CK_PAGE, 1, contract.INDEX_DIM, generator=g, device=device, dtype=half
-        ),
-        "page_table": random_page_table(requests, pages_per_request, pool, g, device),
         "token_to_req": torch.arange(rows, dtype=torch.int32, device=device),
         "query_positions": torch.full((rows,), spec.context - 1, dtype=torch.int64, device=device),
         "sequence_lengths": torch.full((requests,), spec.context, dtype=torch.int32, device=device),
-        "out": torch.empty(rows, contract.WIDTH, dtype=torch.int32, device=device),
+        "out_base": out_base,
     }
-    return CaseInputs(SELECTION, tensors, "compressed_key_cache")
+    return CaseInputs(SELECTION, row_views(tensors), "ck_pool", layout=lay)
 
 
 def build_seed(spec: CaseSpec, device: torch.device, seed: int = 0) -> CaseInputs:
     """A seed case from ``qsa_ops.testing`` (random float16 data), as CaseInputs."""
     from ..qsa_ops import testing
 
+    if spec.layout != SEED_LAYOUT:
+        raise ValueError(f"the seed cases are built in the seed layout only, got {spec.layout}")
+    lay = spec.lay
     if spec.op == ATTENTION:
         case = testing.make_attention_case(spec.testing_case, spec.rows, device, seed)
         pages = case.k_cache.shape[0]
         lead = case.k_cache.storage_offset()
         kv = case.kv[lead : lead + pages * contract.KV_PAGE * 2 * contract.HEAD_DIM].view(
-            pages, contract.KV_PAGE, 2 * contract.HEAD_DIM
+            pages, 1, contract.KV_PAGE, 2 * contract.HEAD_DIM
         )
         indices = case.logical_indices.clone()
         indices[:, spec.width :] = -1  # width 1024: the full-width case cut to 1024 entries
-        k_cache, v_cache = packed_kv_views(kv)
         tensors = {
             "q": case.q,
             "kv": kv,
-            "k_cache": k_cache,
-            "v_cache": v_cache,
-            "logical_indices": indices,
+            **pool_views(ATTENTION, kv),
+            "index_buffer": indices,
             "page_table": case.page_table,
             "token_to_req": case.token_to_req,
             "out": case.out,
         }
-        return CaseInputs(ATTENTION, tensors, "kv")
+        return CaseInputs(ATTENTION, row_views(tensors), "kv", layout=lay)
     case = testing.make_select_case(spec.testing_case, spec.rows, device, seed, integer=False)
-    names = ("q", "compressed_key_cache", "page_table", "token_to_req", "query_positions",
-             "sequence_lengths", "out")  # fmt: skip
-    return CaseInputs(SELECTION, {n: getattr(case, n) for n in names}, "compressed_key_cache")
+    ck = case.compressed_key_cache
+    storage = case.storage if case.storage is not None else ck
+    ck_pool = storage.view(ck.shape[0], 1, ck.shape[1], contract.INDEX_DIM)
+    names = ("q", "page_table", "token_to_req", "query_positions", "sequence_lengths")
+    tensors = {n: getattr(case, n) for n in names}
+    tensors.update(ck_pool=ck_pool, **pool_views(SELECTION, ck_pool), out_base=case.out_base)
+    return CaseInputs(SELECTION, row_views(tensors), "ck_pool", layout=lay)
 
 
 def build(spec: CaseSpec, device: torch.device, seed: int = 0) -> CaseInputs:
@@ -354,59 +548,46 @@ def build(spec: CaseSpec, device: torch.device, seed: int = 0) -> CaseInputs:
 
 
 # ----------------------------------------------------------------------------------------
-# the decode step: the layer's whole QSA path (cache update, selection, attention)
+# the decode step: the layer's QSA path on our operators (selection, then attention)
 # ----------------------------------------------------------------------------------------
 
 DECODE_ROWS = (1, 8, 64)
 DECODE_LAYERS = 8
-# 32K tokens per request; a multiple of 4, so that every row's new token completes a block
-# and the cache update refreshes one compressed key per row (its worst case)
-DECODE_CONTEXT = 32 * 1024
+DECODE_CONTEXT = 32 * 1024  # tokens per request; the new token is the last one
 
 
 def build_decode(
     rows: int, context: int, layers: int, device: torch.device, seed: int = 0
 ) -> dict[str, object]:
     """One decode step of ``rows`` requests (one new token each, at position context - 1) over
-    ``layers`` layers, each with its own caches: ``{"shared": metadata, "layers": [...]}``.
-    Requests own distinct pages; the K/V pages and the compressed-key pages share the page
-    table (page x holds tokens 512x.. and their 128 compressed keys)."""
+    ``layers`` layers, each with its own caches, in the seed's layout: ``{"shared": metadata,
+    "layers": [...]}``. Requests own distinct pages; the K/V pages and the compressed-key
+    pages share the page table (page x holds tokens 512x.. and their 128 compressed keys);
+    the selection's output is the attention's index tensor."""
     device = torch.device(device)
     g = _generator(device, seed)
     half = torch.float16
     pages_per_request = _pages_for(context)
     pool = rows * pages_per_request
     table = random_page_table(rows, pages_per_request, pool, g, device)
-    pos = context - 1
-    page = table[:, pos // contract.KV_PAGE].long()
-    offset = pos % contract.KV_PAGE
-    completes = pos % contract.COMPRESS_RATIO == contract.COMPRESS_RATIO - 1
-    ck_slot = page * contract.CK_PAGE + offset // contract.COMPRESS_RATIO
     shared = {
         "page_table": table,
         "token_to_req": torch.arange(rows, dtype=torch.int32, device=device),
-        "query_positions": torch.full((rows,), pos, dtype=torch.int64, device=device),
+        "query_positions": torch.full((rows,), context - 1, dtype=torch.int64, device=device),
         "sequence_lengths": torch.full((rows,), context, dtype=torch.int32, device=device),
-        "slot_mapping": (page * contract.KV_PAGE + offset).contiguous(),
-        "compressed_slot_mapping": ck_slot if completes else torch.full_like(ck_slot, -1),
         "indices": torch.full((rows, contract.WIDTH), -1, dtype=torch.int32, device=device),
     }
     per_layer = []
     for _ in range(layers):
-        kv = torch.randn(
-            pool, contract.KV_PAGE, 2 * contract.HEAD_DIM, generator=g, device=device, dtype=half
-        )
-        k_cache, v_cache = packed_kv_views(kv)
+        kv = torch.randn(pool, 1, contract.KV_PAGE, 2 * contract.HEAD_DIM, generator=g,
+                         device=device, dtype=half)  # fmt: skip
 
-        def rand(*shape, dtype=half):
-            return torch.randn(*shape, generator=g, device=device, dtype=dtype)
+        def rand(*shape):
+            return torch.randn(*shape, generator=g, device=device, dtype=half)
 
         per_layer.append({
-            "kv": kv, "k_cache": k_cache, "v_cache": v_cache,
+            "kv": kv, **pool_views(ATTENTION, kv),
             "compressed_key_cache": rand(pool, contract.CK_PAGE, 1, contract.INDEX_DIM),
-            "index_wk": rand(contract.INDEX_DIM, contract.HEAD_DIM, dtype=torch.float32),
-            "key": rand(rows, contract.HEAD_DIM),
-            "value": rand(rows, contract.HEAD_DIM),
             "q_index": rand(rows, contract.INDEX_HEADS, contract.INDEX_DIM),
             "q": rand(rows, contract.ATTN_HEADS, contract.HEAD_DIM),
             "out": torch.empty(rows, contract.ATTN_HEADS, contract.HEAD_DIM, device=device,
@@ -424,15 +605,18 @@ def build_decode(
 # What is counted (each input read once, the output written once):
 #
 # attention
-#     q (R x 3 x 256 x 2 B), the selected tokens' K and V (1 KiB per token: 256 + 256 float16),
-#     counted once per **distinct physical token** of the call (a token listed twice, or by two
-#     rows, is read once by an ideal kernel), the indices (R x 2051 x 4 B), the page table
-#     (B x M x 4 B, all of it), token_to_req (R x 4 B); written: out (R x 3 x 256 x 2 B).
+#     q (R x 3 x 256 x q's bytes), the selected tokens' K and V (256 + 256 values of the cache's
+#     dtype: 1 KiB per token in float16/bfloat16, 512 B in float8), counted once per
+#     **distinct physical token** of the call (a token listed twice, or by two rows, is read
+#     once by an ideal kernel), the indices (R x 2051 x 4 B: the 2051 columns the operator
+#     reads, also of vLLM's [T, 2052] buffer), the page table (B x M x 4 B, all of it),
+#     token_to_req (R x 4 B), the gate where there is one (R x 3 x 256 x q's bytes); written:
+#     out (R x 3 x 256 x q's bytes).
 # selection
-#     q (R x 4 x 128 x 2 B), the usable compressed keys (256 B each), once per **distinct
-#     physical key** of the call (rows of one request share their keys), the page table
-#     (B x M x 4 B), token_to_req (R x 4 B), query_positions (R x 8 B), sequence_lengths
-#     (B x 4 B); written: out (R x 2051 x 4 B).
+#     q (R x 4 x 128 x its bytes: 2, or 1 in float8), the usable compressed keys (128 values:
+#     256 B, or 128 B in float8), once per **distinct physical key** of the call (rows of one
+#     request share their keys), the page table (B x M x 4 B), token_to_req (R x 4 B),
+#     query_positions (R x 8 B), sequence_lengths (B x 4 B); written: out (R x 2051 x 4 B).
 #
 # The floor time is ``bytes / bandwidth`` with the bandwidth of a large device-to-device copy
 # measured in the same run, counted as bytes read + bytes written. "% of floor" is
@@ -464,25 +648,41 @@ class FloorBytes:
         }
 
 
-def attention_bytes(rows: int, requests: int, max_pages: int, distinct_tokens: int) -> FloorBytes:
+def attention_bytes(
+    rows: int,
+    requests: int,
+    max_pages: int,
+    distinct_tokens: int,
+    q_bytes: int = 2,
+    kv_bytes: int = 2,
+    gate: bool = False,
+) -> FloorBytes:
+    """``q_bytes``: bytes per element of q, out and gate; ``kv_bytes``: of the caches."""
+    heads = rows * contract.ATTN_HEADS * contract.HEAD_DIM
+    read = {
+        "q": heads * q_bytes,
+        "kv_tokens": distinct_tokens * 2 * contract.HEAD_DIM * kv_bytes,
+        "logical_indices": rows * contract.WIDTH * 4,
+        "page_table": requests * max_pages * 4,
+        "token_to_req": rows * 4,
+    }
+    if gate:
+        read["gate"] = heads * q_bytes
     return FloorBytes(
-        read={
-            "q": rows * contract.ATTN_HEADS * contract.HEAD_DIM * 2,
-            "kv_tokens": distinct_tokens * KV_TOKEN_BYTES,
-            "logical_indices": rows * contract.WIDTH * 4,
-            "page_table": requests * max_pages * 4,
-            "token_to_req": rows * 4,
-        },
-        written={"out": rows * contract.ATTN_HEADS * contract.HEAD_DIM * 2},
+        read=read,
+        written={"out": heads * q_bytes},
         counts={"distinct_tokens": distinct_tokens},
     )
 
 
-def selection_bytes(rows: int, requests: int, max_pages: int, distinct_keys: int) -> FloorBytes:
+def selection_bytes(
+    rows: int, requests: int, max_pages: int, distinct_keys: int, elem_bytes: int = 2
+) -> FloorBytes:
+    """``elem_bytes``: bytes per element of q and of the keys (2, or 1 in float8)."""
     return FloorBytes(
         read={
-            "q": rows * contract.INDEX_HEADS * contract.INDEX_DIM * 2,
-            "compressed_keys": distinct_keys * KEY_BYTES,
+            "q": rows * contract.INDEX_HEADS * contract.INDEX_DIM * elem_bytes,
+            "compressed_keys": distinct_keys * contract.INDEX_DIM * elem_bytes,
             "page_table": requests * max_pages * 4,
             "token_to_req": rows * 4,
             "query_positions": rows * 8,
@@ -504,16 +704,16 @@ def count_attention_tokens(t: dict[str, torch.Tensor]) -> tuple[int, int]:
     """(distinct physical tokens, valid entries counted per occurrence) of one call."""
     table = t["page_table"].long()
     requests, max_pages = table.shape
-    pages = t["k_cache"].shape[0]
+    pages, page_size = t["k_cache"].shape[:2]
     if requests == 0 or max_pages == 0:
         return 0, 0
     ok_req, b = _request_of_rows(t["token_to_req"], requests)
     idx = t["logical_indices"].long()
-    page = torch.div(idx, contract.KV_PAGE, rounding_mode="floor")
+    page = torch.div(idx, page_size, rounding_mode="floor")
     valid = (idx >= 0) & (page < max_pages) & ok_req[:, None]
     phys = table[b[:, None], page.clamp(0, max_pages - 1)]
     valid &= (phys >= 0) & (phys < pages)
-    token_id = phys * contract.KV_PAGE + idx.clamp_min(0) % contract.KV_PAGE
+    token_id = phys * page_size + idx.clamp_min(0) % page_size
     return int(torch.unique(token_id[valid]).numel()), int(valid.sum())
 
 
@@ -523,22 +723,22 @@ def count_selection_keys(
     """(distinct physical keys, usable blocks summed over rows) of one call."""
     table = t["page_table"].long()
     requests, max_pages = table.shape
-    pages = t["compressed_key_cache"].shape[0]
+    pages, per_page = t["compressed_key_cache"].shape[:2]
     rows = t["q"].shape[0]
     if requests == 0 or max_pages == 0 or rows == 0:
         return 0, 0
     ok_req, b = _request_of_rows(t["token_to_req"], requests)
     n = visible_tokens(t["query_positions"], t["sequence_lengths"].long()[b])
     nb = torch.where(ok_req, n // contract.COMPRESS_RATIO, 0)
-    blocks = max_pages * contract.CK_PAGE
+    blocks = max_pages * per_page
     j = torch.arange(blocks, device=table.device)
     ids, usable_total = [], 0
     step = max(1, chunk_elements // blocks)
     for start in range(0, rows, step):
         s = slice(start, min(rows, start + step))
-        phys = table[b[s]].repeat_interleave(contract.CK_PAGE, dim=1)  # [C, M * 128]
+        phys = table[b[s]].repeat_interleave(per_page, dim=1)  # [C, M * per_page]
         usable = (j < nb[s, None]) & (phys >= 0) & (phys < pages)
-        key_id = phys * contract.CK_PAGE + j % contract.CK_PAGE
+        key_id = phys * per_page + j % per_page
         ids.append(torch.unique(key_id[usable]))
         usable_total += int(usable.sum())
     distinct = int(torch.unique(torch.cat(ids)).numel()) if ids else 0
@@ -550,11 +750,16 @@ def floor_bytes(op: str, t: dict[str, torch.Tensor]) -> FloorBytes:
     requests, max_pages = t["page_table"].shape
     if op == ATTENTION:
         distinct, occurrences = count_attention_tokens(t)
-        fb = attention_bytes(rows, requests, max_pages, distinct)
+        fb = attention_bytes(
+            rows, requests, max_pages, distinct, t["q"].element_size(),
+            t["k_cache"].element_size(), t.get("gate") is not None,
+        )  # fmt: skip
         fb.counts["valid_entries"] = occurrences
     else:
         distinct, usable = count_selection_keys(t)
-        fb = selection_bytes(rows, requests, max_pages, distinct)
+        fb = selection_bytes(
+            rows, requests, max_pages, distinct, t["compressed_key_cache"].element_size()
+        )
         fb.counts["usable_blocks"] = usable
     return fb
 

@@ -45,8 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--grid",
         choices=sorted(cases.GRIDS),
         default=None,
-        help="case grid (default: 'default' = seed + scale; 'targets' with --validation; "
-        "'quick' with --quick)",
+        help="case grid (default: 'default' = seed + scale + dtype; 'targets' with "
+        "--validation; 'quick' with --quick)",
     )
     add("--ops", default=",".join(cases.OPS), help="comma-separated: attention,selection")
     add("--cases", default="", help="run only the cases whose name contains this text")
@@ -110,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--decode-step",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="the 8-layer decode step (update + select + attention), eager and graph",
+        help="the 8-layer decode step (select + attention), eager and graph",
     )
     add("--splits-sweep", action="store_true", help="attention graph time per forced split count")
     add(
@@ -299,9 +299,10 @@ def grid_name(args: argparse.Namespace) -> str:
 
 
 def execution_order(grid: list[cases.CaseSpec]) -> list[cases.CaseSpec]:
-    """Seeds first, then the performance-table cases, then the rest of the grid: when the
-    time budget cuts the run, what is lost is the least asked for."""
-    return sorted(grid, key=lambda c: (c.group != "seed", not c.target))
+    """Seeds first, then the validation subset (the performance-table cases and the dtype
+    cases marked for it), then the other dtype cases, then the rest of the grid: when the time
+    budget cuts the run, what is lost is the least asked for."""
+    return sorted(grid, key=lambda c: (c.group != "seed", not c.in_validation, c.group != "dtype"))
 
 
 def _progress(total: int, enabled: bool):

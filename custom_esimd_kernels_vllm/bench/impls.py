@@ -2,11 +2,13 @@
 
 ``kernel``          the public ``qsa_ops`` operator on the compiled CUDA backend (validation,
                     dispatch and the kernel launch: what a caller pays)
-``upstream``        vLLM 0.32.0's own kernels (``bench.upstream``), bfloat16 (same bytes as
-                    our float16): attention = its Triton sparse attention; selection = its
-                    Triton indexer scoring + its compiled top-k, or a stated stand-in
+``upstream``        vLLM 0.32.0's own kernels (``bench.upstream``) on the case's own tensors,
+                    in the case's dtype: attention = its Triton sparse attention; selection =
+                    its Triton indexer scoring + its compiled top-k, or a stated stand-in
                     (torch.topk on the float32 scores) when vLLM's compiled ops are absent.
-                    Its block-index expansion (a third launch) is not included.
+                    Its block-index expansion (a third launch) is not included. Where it
+                    cannot take a case (``upstream_skip``: float16 attention, no gate, 2051-wide
+                    index rows), it is skipped with the reason, never fed a converted copy.
 ``upstream-score``  selection only: upstream's Triton scoring alone (the half that always
                     runs the real upstream code)
 ``ref-compiled``    ``torch.compile(fullgraph=True, dynamic=False)`` of the PyTorch reference,
@@ -16,9 +18,11 @@
                     (below); eager only (it cannot be captured in a CUDA graph)
 
 The candidate of a case is the first available in this order; every other available one is a
-baseline it is compared with. An implementation that needs its own inputs (upstream: bfloat16
-copies, packed indices, per-row page tables) has a ``prepare`` that derives them from the
-rotated copies once, outside the timed region.
+baseline it is compared with. An implementation that needs its own inputs (upstream: its
+output buffers, the visible block counts, a per-row page table where rows share a request)
+has a ``prepare`` that derives them from the rotated copies once, outside the timed region;
+the tensors both read are the same tensors. The references are timed on the seed layout (on
+the other layouts they run once, for the check, unless no kernel runs here).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 
 from .. import qsa_ops
 from ..qsa_ops import contract, ops, reference
-from .cases import ATTENTION, packed_kv_views
+from .cases import ATTENTION, SEED_LAYOUT, layout_of
 from .upstream import Upstream
 
 KERNEL = "kernel"
@@ -72,6 +76,15 @@ def _attention_args(a: Args) -> tuple[torch.Tensor, ...]:
 def _selection_args(a: Args) -> tuple[torch.Tensor, ...]:
     return (a["q"], a["compressed_key_cache"], a["page_table"], a["token_to_req"],
             a["query_positions"], a["sequence_lengths"])  # fmt: skip
+
+
+ATTENTION_KWARGS = ("k_scale", "v_scale", "gate")
+
+
+def attention_kwargs(a: Args) -> dict[str, object]:
+    """The keyword arguments of contract v2 present in ``a`` (float8 scales, the gate); {} for
+    the seed's call, which then goes without keywords, as the seed's callers make it."""
+    return {k: a[k] for k in ATTENTION_KWARGS if a.get(k) is not None}
 
 
 def kernel_status(device: torch.device) -> tuple[bool, str]:
@@ -125,7 +138,7 @@ def compiled_reference(op: str) -> Callable:
 # power of two so that it divides every R of the grid: one graph per case, not 26.
 CHUNK_ELEMENTS = 1 << 24
 _ROW_NAMES = {  # the row-indexed arguments (sliced per chunk); the others are shared
-    ATTENTION: ("q", "logical_indices", "token_to_req", "out"),
+    ATTENTION: ("q", "logical_indices", "token_to_req", "out", "gate"),
     "selection": ("q", "token_to_req", "query_positions", "out"),
 }
 
@@ -135,7 +148,8 @@ def rows_per_chunk(op: str, a: Args) -> int:
         per_row = contract.ATTN_HEADS * contract.WIDTH * contract.HEAD_DIM
     else:
         per_row = contract.INDEX_HEADS * contract.INDEX_DIM * a["page_table"].shape[1]
-        per_row *= contract.CK_PAGE
+        ck = a.get("compressed_key_cache")
+        per_row *= contract.CK_PAGE if ck is None else ck.shape[1]
     limit = max(1, CHUNK_ELEMENTS // max(1, per_row))
     return 1 << (limit.bit_length() - 1)
 
@@ -143,18 +157,20 @@ def rows_per_chunk(op: str, a: Args) -> int:
 def compiled_call(op: str) -> Callable[[Args], object]:
     fn = compiled_reference(op)
     pick = _attention_args if op == ATTENTION else _selection_args
+    kwargs = attention_kwargs if op == ATTENTION else (lambda a: {})
     names = _ROW_NAMES[op]
 
     def call(a: Args) -> object:
         rows = a["q"].shape[0]
         step = rows_per_chunk(op, a)
         if step >= rows:
-            return fn(*pick(a), a["out"])
+            return fn(*pick(a), a["out"], **kwargs(a))
         for start in range(0, rows, step):
             part = dict(a)
             for n in names:
-                part[n] = a[n][start : start + step]
-            fn(*pick(part), part["out"])
+                if a.get(n) is not None:
+                    part[n] = a[n][start : start + step]
+            fn(*pick(part), part["out"], **kwargs(part))
         return a["out"]
 
     return call
@@ -177,7 +193,7 @@ def select_paged_tokens_rowwise(
     pages = compressed_key_cache.shape[0]
     requests, max_pages = page_table.shape
     device = q.device
-    ratio, ck_page = contract.COMPRESS_RATIO, contract.CK_PAGE
+    ratio, ck_page = contract.COMPRESS_RATIO, compressed_key_cache.shape[1]
     out.fill_(-1)
     for r in range(rows):
         b = int(token_to_req[r])  # host sync
@@ -207,7 +223,7 @@ def sparse_paged_attention_rowwise(
     rows = q.shape[0]
     pages = k_cache.shape[0]
     requests, max_pages = page_table.shape
-    kv_page = contract.KV_PAGE
+    kv_page = k_cache.shape[1]
     for r in range(rows):
         b = int(token_to_req[r])  # host sync
         idx = logical_indices[r].long()
@@ -233,45 +249,53 @@ def sparse_paged_attention_rowwise(
 # ----------------------------------------------------------------------------------------
 
 BF16 = torch.bfloat16
-GATE_OPEN = 30.0  # upstream multiplies by sigmoid(gate): sigmoid(30) is 1.0 in float32
 
 
-def _bf16_pool(pool: torch.Tensor, seen: dict) -> torch.Tensor:
-    """The bfloat16 twin of a shared pool (converted once per distinct pool)."""
-    key = (pool.data_ptr(), tuple(pool.shape))
-    if key not in seen:
-        seen[key] = pool.to(BF16)
-    return seen[key]
-
-
-def packed_indices(idx: torch.Tensor) -> torch.Tensor:
-    """Upstream's packed selection buffer [R, W + 1]: the valid entries first (in order), then
-    holes, and the row's valid count in the last column."""
-    valid = idx >= 0
-    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
-    front = torch.gather(idx, 1, order)
-    count = valid.sum(dim=1, keepdim=True).to(idx.dtype)
-    return torch.cat([front, count], dim=1).contiguous()
+def upstream_skip(op: str, layout: str) -> str | None:
+    """Why vLLM's kernel cannot take a case in ``layout`` as it is (None: it can). The
+    benchmark never converts a case for upstream: a skip says which of its input rules the
+    case breaks (its asserts and its interface, vLLM 0.32.0)."""
+    lay = layout_of(layout)
+    if op == ATTENTION:
+        if lay.dtype != BF16:
+            return (f"vLLM's QSA attention takes bfloat16 queries only (it asserts q.dtype == "
+                    f"torch.bfloat16); this case is {str(lay.dtype).replace('torch.', '')}: "
+                    "compared with upstream in the bf16 and fp8 cases")  # fmt: skip
+        if not lay.gate:
+            return "vLLM's QSA attention always applies an output gate; this layout has none"
+        if lay.index_stride <= contract.WIDTH:
+            return ("vLLM's QSA attention reads its [T, 2052] index buffer (the valid count in "
+                    "the last column); this layout's index rows are 2051 wide")  # fmt: skip
+    return None
 
 
 def _prepare_attention(copies: list[Args]) -> list[Args]:
-    seen: dict = {}
+    """Upstream reads the copy's own tensors (its index buffer is the [R, 2052] buffer whose
+    first 2051 columns are ours); only its output is its own."""
     out = []
     for a in copies:
-        k, v = packed_kv_views(_bf16_pool(a["kv"], seen))
-        rows = a["q"].shape[0]
         out.append({
-            "q": a["q"].to(BF16), "k_cache": k, "v_cache": v,
-            "logical_indices": packed_indices(a["logical_indices"]),
-            "page_table": a["page_table"], "token_to_req": a["token_to_req"],
-            "gate": torch.full_like(a["q"], GATE_OPEN, dtype=BF16),
-            "out": torch.empty(rows, *a["q"].shape[1:], dtype=BF16, device=a["q"].device),
+            "q": a["q"], "k_cache": a["k_cache"], "v_cache": a["v_cache"],
+            "logical_indices": a["index_buffer"], "page_table": a["page_table"],
+            "token_to_req": a["token_to_req"], "gate": a["gate"],
+            "k_scale": a.get("k_scale"), "v_scale": a.get("v_scale"),
+            "out": torch.empty_like(a["out"]),
         })  # fmt: skip
     return out
 
 
+def _one_request_per_row(a: Args) -> bool:
+    """Row r belongs to request r (host read, once per case, outside the timed region)."""
+    t2r, table = a["token_to_req"], a["page_table"]
+    rows = t2r.shape[0]
+    return table.shape[0] == rows and torch.equal(t2r.long(), torch.arange(rows, device=t2r.device))
+
+
 def _prepare_selection(copies: list[Args]) -> list[Args]:
-    seen: dict = {}
+    """Upstream reads the copy's q, cache and (one request per row, as in the scale cases)
+    page table; it takes visible block counts instead of positions and lengths, writes its own
+    [R, 512] blocks, and needs one page-table row per query row (the seed cases' rows share a
+    request: their rows' tables are gathered once)."""
     out = []
     for a in copies:
         table = a["page_table"]
@@ -279,9 +303,9 @@ def _prepare_selection(copies: list[Args]) -> list[Args]:
         n = reference.visible_tokens(a["query_positions"], a["sequence_lengths"].long()[b])
         rows = a["q"].shape[0]
         out.append({
-            "q": a["q"].to(BF16),
-            "compressed_key_cache": _bf16_pool(a["compressed_key_cache"], seen),
-            "page_table": table[b].contiguous(),  # one request per row: a uniform decode batch
+            "q": a["q"],
+            "compressed_key_cache": a["compressed_key_cache"],
+            "page_table": table if _one_request_per_row(a) else table[b].contiguous(),
             "visible_blocks": (n // contract.COMPRESS_RATIO).to(torch.int32),
             "out": torch.empty(rows, contract.BLOCK_TOPK, dtype=torch.int32, device=table.device),
         })  # fmt: skip
@@ -330,7 +354,8 @@ def _upstream_attention(up: Upstream) -> Callable[[Args], object]:
     fn = up.attention.qsa_sparse_paged_attention
 
     def call(a: Args) -> object:
-        return fn(*_attention_args(a), False, a["out"], output_gate=a["gate"])
+        return fn(*_attention_args(a), False, a["out"], a["k_scale"], a["v_scale"],
+                  output_gate=a["gate"])  # fmt: skip
 
     return call
 
@@ -348,7 +373,9 @@ def make(name: str, op: str, up: Upstream | None = None) -> Impl:
         if attention:
 
             def call(a: Args) -> object:
-                return qsa_ops.sparse_paged_attention(*pick(a), contract.KV_PAGE, a["out"])
+                return qsa_ops.sparse_paged_attention(
+                    *pick(a), a["k_cache"].shape[1], a["out"], **attention_kwargs(a)
+                )
         else:
 
             def call(a: Args) -> object:
@@ -358,9 +385,10 @@ def make(name: str, op: str, up: Upstream | None = None) -> Impl:
 
         return Impl(name, call, True, check)
     if name == REF_VECTORISED:
-        fn = (
-            reference.sparse_paged_attention_ref if attention else reference.select_paged_tokens_ref
-        )
+        if attention:
+            return Impl(name, lambda a: reference.sparse_paged_attention_ref(
+                *pick(a), a["out"], **attention_kwargs(a)), True, check)  # fmt: skip
+        fn = reference.select_paged_tokens_ref
         return Impl(name, lambda a: fn(*pick(a), a["out"]), True, check)
     if name == REF_COMPILED:
         return Impl(name, compiled_call(op), True, check)
@@ -373,7 +401,8 @@ def make(name: str, op: str, up: Upstream | None = None) -> Impl:
         if attention:
             if name == UPSTREAM_SCORE:
                 raise ValueError("upstream-score is a selection baseline only")
-            return Impl(name, _upstream_attention(up), True, "attention-bf16", _prepare_attention)
+            return Impl(name, _upstream_attention(up), True, "attention-upstream",
+                        _prepare_attention)  # fmt: skip
         if name == UPSTREAM_SCORE:
             return Impl(name, _upstream_select(up, _no_topk), True, "none", _prepare_selection)
         topk = None if up.compiled_topk else topk_stand_in
@@ -389,6 +418,7 @@ def select(
     rowwise_max_rows: int = ROWWISE_MAX_ROWS,
     only: tuple[str, ...] = ALL,
     up: Upstream | None = None,
+    layout: str = SEED_LAYOUT,
 ) -> tuple[list[Impl], dict[str, str]]:
     """(implementations to run, {skipped name: reason}) for one case; ``compile_skip`` is
     the reason not to run the compiled reference here (None: run it)."""
@@ -398,13 +428,21 @@ def select(
         skipped[KERNEL] = reason
     if up is None or not up.ok:
         skipped[UPSTREAM] = (up.skip if up else None) or "upstream not requested"
+    elif upstream_skip(op, layout):
+        skipped[UPSTREAM] = upstream_skip(op, layout)
     if op == ATTENTION:
         skipped[UPSTREAM_SCORE] = "a selection baseline only"
     elif UPSTREAM in skipped:
         skipped[UPSTREAM_SCORE] = skipped[UPSTREAM]
-    if compile_skip:
+    if layout != SEED_LAYOUT:
+        why = ("the references are timed on the seed layout only (here they run once, for "
+               "the check)")  # fmt: skip
+        skipped[REF_ROWWISE] = why
+        if ok:  # without a kernel here, the references keep the case measured
+            skipped[REF_COMPILED] = skipped[REF_VECTORISED] = why
+    if compile_skip and REF_COMPILED not in skipped:
         skipped[REF_COMPILED] = compile_skip
-    if rows > rowwise_max_rows:
+    if rows > rowwise_max_rows and REF_ROWWISE not in skipped:
         skipped[REF_ROWWISE] = f"row loop with host syncs: run only for R <= {rowwise_max_rows}"
     for name in ALL:
         if name not in only and name not in skipped:

@@ -183,6 +183,104 @@ def _upstream_table(cases: list[dict], data: dict) -> list[str]:
     return _table(head, rows)
 
 
+# ----------------------------------------------------------------------------------------
+# dtypes and layouts (ours and upstream in the same dtype, on the same tensors)
+# ----------------------------------------------------------------------------------------
+
+SEED_LAYOUT = "seed"
+VLLM_BF16, PACKED_BF16 = "vllm_bf16_784", "bf16_packed_512"  # the pages comparison
+PAGES_WITHIN = 0.05  # vLLM's pages within 5 % of packed ones (the issue's bound)
+
+
+def _layout(c: dict) -> str:
+    return c["spec"].get("layout", SEED_LAYOUT)
+
+
+def _layout_label(c: dict) -> str:
+    return c["spec"].get("layout_label") or _layout(c)
+
+
+def dtype_rows(cases: list[dict]) -> list[dict]:
+    """The cases of the dtype comparison: every measured ``dtype`` case, and beside it the
+    seed-layout (float16) scale case of the same operator, R and context; ordered by
+    operator, R, then layout as the grid lists them."""
+    variants = [c for c in cases if c["spec"]["group"] == "dtype" and _best_mode(c)]
+    keys = {(c["spec"]["op"], c["spec"]["rows"], c["spec"]["context"]) for c in variants}
+    seeds = [c for c in cases if c["spec"]["group"] == "scale" and _layout(c) == SEED_LAYOUT
+             and (c["spec"]["op"], c["spec"]["rows"], c["spec"]["context"]) in keys
+             and _best_mode(c)]  # fmt: skip
+    layouts = [SEED_LAYOUT] + list(dict.fromkeys(_layout(c) for c in variants))
+    return sorted(seeds + variants, key=lambda c: (c["spec"]["op"], c["spec"]["rows"],
+                                                   layouts.index(_layout(c))))  # fmt: skip
+
+
+def upstream_us(c: dict, mode: str, data: dict) -> tuple[float | None, str]:
+    """Upstream's time in µs and how it was obtained: measured, or for selection where the
+    compiled top-k could not run, its measured scoring + the quoted compiled top-k."""
+    est = _upstream_estimate(c, mode, data)
+    if est is not None:
+        return est, "score + quoted top-k"
+    up = _median(c, mode, "upstream")
+    if up is None:
+        return None, "skipped" if "upstream" in c.get("skipped", {}) else "not measured"
+    stand_in = c["spec"]["op"] == "selection" and not data.get("upstream", {}).get(
+        "compiled_topk", False
+    )
+    return up * 1e6, "measured, stand-in top-k" if stand_in else "measured"
+
+
+def _pct_us(floor_s: float, us: float | None) -> str:
+    return _pct(100.0 * floor_s * 1e6 / us) if us else "–"
+
+
+def _dtype_table(cases: list[dict], data: dict, op: str) -> list[str]:
+    head = ["R", "context", "dtype / layout", "floor µs", "kernel µs", "kernel % of floor",
+            "upstream µs (same dtype)", "upstream % of floor", "upstream / kernel",
+            "target µs"]  # fmt: skip
+    rows = []
+    for c in dtype_rows(cases):
+        if c["spec"]["op"] != op:
+            continue
+        mode = _best_mode(c)
+        kernel = _median(c, mode, "kernel")
+        kernel_us = kernel * 1e6 if kernel else None
+        up, how = upstream_us(c, mode, data)
+        floor_s = c["floor"]["seconds"]
+        up_cell = f"{_num(up)} ({how})" if up is not None else how
+        target = c["spec"].get("target_us")
+        met = "" if target is None or kernel_us is None else (
+            " met" if kernel_us <= target else " missed")  # fmt: skip
+        rows.append([str(c["spec"]["rows"]), _ctx(c["spec"]["context"]), _layout_label(c),
+                     _us(floor_s), _num(kernel_us), _pct_us(floor_s, kernel_us), up_cell,
+                     _pct_us(floor_s, up),
+                     f"{up / kernel_us:.2f}x" if up and kernel_us else "–",
+                     (f"{target:g}" + met) if target is not None else "–"])  # fmt: skip
+    return _table(head, rows)
+
+
+def _pages_table(cases: list[dict]) -> list[str]:
+    """Ours on vLLM's bfloat16 layout (784-token pages spanning 4 layers) against the same
+    layout on packed 512-token pages."""
+    by = {(c["spec"]["op"], c["spec"]["rows"], _layout(c)): c for c in dtype_rows(cases)}
+    head = ["op", "R", "bf16 vLLM p784 µs", "bf16 packed p512 µs", "p784 / p512",
+            f"within {PAGES_WITHIN:.0%}"]  # fmt: skip
+    rows = []
+    for (op, r, lay), c in sorted(by.items()):
+        other = by.get((op, r, PACKED_BF16))
+        if lay != VLLM_BF16 or other is None:
+            continue
+        a, b = _median(c, _best_mode(c), "kernel"), _median(other, _best_mode(other), "kernel")
+        if not a or not b:
+            continue
+        rows.append([op, str(r), _us(a), _us(b), f"{a / b:.3f}",
+                     "yes" if a <= (1 + PAGES_WITHIN) * b else "no"])  # fmt: skip
+    return _table(head, rows)
+
+
+def _ctx(tokens: int) -> str:
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
+
+
 def _comparison_table(cases: list[dict]) -> list[str]:
     head = ["op", "case", "mode", "candidate vs baseline", "speedup [p10–p90]", "wins",
             "baseline drift"]  # fmt: skip
@@ -229,10 +327,21 @@ def _host_table(h: dict) -> list[str]:
     return _table(head, rows)
 
 
+def _decode_ops(d: dict) -> list[str]:
+    """The ops of the decode step (a results file records them; older ones: from the rows)."""
+    if d.get("ops"):
+        return list(d["ops"])
+    for e in d.get("rows", []):
+        if e.get("graph"):
+            return list(e["graph"]["ops_alone_us_per_layer"])
+    return ["select", "attention"]
+
+
 def _decode_table(d: dict) -> list[str]:
+    ops = _decode_ops(d)
     head = ["R", "eager host µs/layer", "`add_` µs (same reps)", "eager GPU µs/layer",
             "graph GPU µs/layer",
-            "graph host µs/layer", "update + select + attention (graph, alone) µs/layer",
+            "graph host µs/layer", f"{' + '.join(ops)} (graph, alone) µs/layer",
             "graph / kernel sum", "targets"]  # fmt: skip
     t = d["targets"]
     rows = []
@@ -245,7 +354,7 @@ def _decode_table(d: dict) -> list[str]:
                    + ("met" if eager.get("met") else "missed")]  # fmt: skip
         if graph:
             alone = graph["ops_alone_us_per_layer"]
-            parts = " + ".join(_num(alone[k]) for k in ("update", "select", "attention"))
+            parts = " + ".join(_num(alone.get(k)) for k in ops)
             sum_cell = f"{parts} = {_num(graph['kernel_sum_us_per_layer'])}"
             targets.append(f"graph <= {t['graph_step_over_kernel_sum']:g}x: "
                            + ("met" if graph["met"] else "missed"))  # fmt: skip
@@ -257,6 +366,9 @@ def _decode_table(d: dict) -> list[str]:
                      _num(eager.get("add_us")), _num(eager.get("gpu_us_per_layer")), *cells,
                      "; ".join(targets)])  # fmt: skip
     return _table(head, rows)
+
+
+_DECODE_OP_NAMES = {"select": "select_paged_tokens", "attention": "sparse_paged_attention"}
 
 
 def _sweep_table(s: dict) -> list[str]:
@@ -287,13 +399,23 @@ def _upstream_line(data: dict) -> str:
     if not up.get("available"):
         return f"Upstream (vLLM's own kernels): **skipped** — {up.get('skip')}."
     version = up.get("version") or "(version not recorded)"
-    line = (f"Upstream: vLLM {version}'s Triton kernels from {up.get('source')}, "
-            f"bfloat16 (same bytes as our float16); top-k: {up.get('topk')}.")  # fmt: skip
+    line = (f"Upstream: vLLM {version}'s Triton kernels from {up.get('source')}, on each "
+            "case's own tensors in its own dtype (skipped, with the reason in the notes, where "
+            f"it cannot take a case); top-k: {up.get('topk')}.")  # fmt: skip
     if not up.get("compiled_topk"):
         line += (f" Quoted compiled top-k figures: {up.get('quoted_topk_source')}: "
                  + ", ".join(f"{k} blocks {v} µs" for k, v in up.get("quoted_topk_us", {}).items())
                  + ".")  # fmt: skip
     return line
+
+
+_DTYPE_INTRO = (
+    "Each row: ours (the public op) and vLLM's kernel in the same dtype, on the same tensors "
+    "(graph replay where measured); fp16 seed p512 = the scale case of the same R and context. "
+    "% of floor = the floor's time over the measured time, the floor counting each input's "
+    "bytes in its own dtype (float8 K/V and keys: 1 byte per element). Selection: upstream = "
+    "its scoring + its top-k (see the top-k line above)."
+)
 
 
 def markdown(data: dict) -> str:
@@ -327,6 +449,11 @@ def markdown(data: dict) -> str:
          "upstream = its scoring + its top-k (see the top-k line above); the quoted compiled "
          "top-k is added to the measured scoring where the compiled op could not run.",
          _upstream_table(cases, data)),
+        ("Attention by dtype and layout", _DTYPE_INTRO, _dtype_table(cases, data, "attention")),
+        ("Selection by dtype and layout", _DTYPE_INTRO, _dtype_table(cases, data, "selection")),
+        ("vLLM's pages against packed pages (ours, bfloat16)", "Same tensors but the page "
+         "geometry: 784-token pages whose page stride spans 4 layers, against one layer of "
+         "packed 512-token pages.", _pages_table(cases)),
         ("Latency — CUDA-graph replay", "", _latency_table(cases, "graph", order)),
         ("Latency — Eager (host overhead included)", "", _latency_table(cases, "eager", order)),
         ("B/C/B comparisons", "Speedup = baseline / candidate per pair (median [p10–p90]); a win "
@@ -339,9 +466,10 @@ def markdown(data: dict) -> str:
                          f"{host['backend']}.", _host_table(host)))  # fmt: skip
     dec = data.get("decode_step")
     if dec:
-        intro = (f"The layer's whole QSA path (qsa_ops.update_caches, select_paged_tokens, "
-                 f"sparse_paged_attention) for {dec['layers']} layers, {dec['context']} tokens per "
-                 "request, one new token per request; each layer has its own caches.")  # fmt: skip
+        ops = " then ".join(f"qsa_ops.{_DECODE_OP_NAMES.get(o, o)}" for o in _decode_ops(dec))
+        intro = (f"The layer's QSA path on our operators ({ops}) for {dec['layers']} layers, "
+                 f"{dec['context']} tokens per request, one query per request; each layer has its "
+                 "own caches.")  # fmt: skip
         body = _decode_table(dec) if "skipped" not in dec else [f"Skipped: {dec['skipped']}"]
         sections.append(("Decode step", intro, body))
     sweep = data.get("splits_sweep")
@@ -390,6 +518,11 @@ def validation_section(data: dict) -> dict:
             "references_us": {n: us(n) for n in lat if n.startswith("ref-")},
             "floor_bytes": c["floor"]["total"], "floor_us": c["floor"]["seconds"] * 1e6,
             "kernel_pct_of_floor": c["modes"][mode]["pct_of_floor"].get("kernel"),
+            "layout": _layout(c), "layout_label": _layout_label(c),
+            "dtypes": c["spec"].get("dtypes"),
+            "upstream_score_us": us("upstream-score"),
+            "upstream_pct_of_floor": c["modes"][mode]["pct_of_floor"].get("upstream"),
+            "upstream_skip": c.get("skipped", {}).get("upstream"),
         })  # fmt: skip
     bw = data.get("copy_bandwidth", {})
     return {
@@ -510,7 +643,8 @@ def plot(data: dict, path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         return f"no plot: matplotlib missing ({exc})"
-    cases = [c for c in data["cases"] if c["spec"]["group"] != "seed" and c.get("modes")]
+    cases = [c for c in data["cases"] if c["spec"]["group"] != "seed" and c.get("modes")
+             and _layout(c) == SEED_LAYOUT and c["spec"]["group"] != "dtype"]  # fmt: skip
     panels = sorted({(c["spec"]["op"], c["spec"]["rows"]) for c in cases})
     if not panels:
         return "no plot: no measured scale case"
@@ -562,20 +696,93 @@ def plot(data: dict, path: Path) -> str | None:
     return None
 
 
+def plot_dtypes(data: dict, path: Path) -> str | None:
+    """Latency against R, one panel per (operator, dtype/layout): ours (the kernel), upstream in
+    the same dtype (for selection where the compiled top-k could not run: its scoring + the
+    quoted top-k, as in the table) and the memory floor; log scales. Returns None, or why no
+    plot was written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        return f"no dtype plot: matplotlib missing ({exc})"
+    rows = dtype_rows(data["cases"])
+    if not rows:
+        return "no dtype plot: no measured dtype case"
+    ops = sorted({c["spec"]["op"] for c in rows})
+    layouts = list(dict.fromkeys(_layout(c) for c in rows))
+    labels = {_layout(c): _layout_label(c) for c in rows}
+    fig, axes = plt.subplots(len(ops), len(layouts), figsize=(3.6 * len(layouts), 3.2 * len(ops)),
+                             squeeze=False, sharey="row")  # fmt: skip
+    for i, op in enumerate(ops):
+        for j, lay in enumerate(layouts):
+            ax = axes[i][j]
+            sel = sorted((c for c in rows if c["spec"]["op"] == op and _layout(c) == lay),
+                         key=lambda c: c["spec"]["rows"])  # fmt: skip
+            if not sel:
+                ax.set_visible(False)
+                continue
+            series = {
+                "ours (kernel)": [(c["spec"]["rows"], (_median(c, _best_mode(c), "kernel")
+                                   or math.nan) * 1e6) for c in sel],
+                "upstream (same dtype)": [(c["spec"]["rows"],
+                                           upstream_us(c, _best_mode(c), data)[0] or math.nan)
+                                          for c in sel],
+                "memory floor": [(c["spec"]["rows"], c["floor"]["seconds"] * 1e6) for c in sel],
+            }  # fmt: skip
+            for k, (name, pts) in enumerate(series.items()):
+                pts = [(x, y) for x, y in pts if math.isfinite(y)]
+                if pts:
+                    xs, ys = zip(*pts, strict=True)
+                    style = "k:" if name == "memory floor" else "-o"
+                    kw = {} if name == "memory floor" else {"color": f"C{k}", "ms": 4}
+                    ax.plot(xs, ys, style, label=name, **kw)
+            r = [c["spec"]["rows"] for c in sel]
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(r, [str(x) for x in r])
+            ax.minorticks_off()
+            ax.set_yscale("log")
+            ax.set_title(f"{op}, {labels[lay]}", fontsize=9)
+            ax.set_xlabel("R (rows)")
+            ax.grid(True, which="both", alpha=0.3)
+            if j == 0:
+                ax.set_ylabel("latency per call (µs)")
+    handles, names = [], []
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            if lab not in names:
+                handles.append(h)
+                names.append(lab)
+    fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=8)
+    env = data["environment"]
+    fig.suptitle(f"QSA operators by dtype and layout on {env.get('device_name')}", fontsize=11)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None
+
+
 def write_all(data: dict, out_dir: Path, stem: str, with_plot: bool = True) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {
         "json": out_dir / f"{stem}.json",
         "md": out_dir / f"{stem}.md",
         "png": out_dir / f"{stem}.png",
+        "png_dtypes": out_dir / f"{stem}-dtypes.png",
     }
     if with_plot:
-        why = plot(data, paths["png"])
-        if why:
-            data.setdefault("notes", []).append(why)
-            paths.pop("png")
+        for key, fn in (("png", plot), ("png_dtypes", plot_dtypes)):
+            why = fn(data, paths[key])
+            if why:
+                notes = data.setdefault("notes", [])
+                if why not in notes:
+                    notes.append(why)
+                paths.pop(key)
     else:
         paths.pop("png")
+        paths.pop("png_dtypes")
     write_json(paths["json"], data)
     paths["md"].write_text(markdown(data) + "\n")
     return paths

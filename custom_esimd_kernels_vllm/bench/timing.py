@@ -25,7 +25,9 @@ Vocabulary:
   When the budget allows ``S >= copies`` every copy reads the same values (``exact``: its
   results equal the original's). Otherwise copies beyond ``S`` also permute the pages inside
   their slab (same structure, other values) and ``exact`` is False. The small per-row tensors
-  (q, indices, positions, out) are cloned per copy.
+  (q, the index buffer, positions, the gate, out) are cloned per copy; the caches, the index
+  rows, selection's out and a padded page table are the same views of each copy's buffers as
+  of the original's (the layout is kept).
 
 The statistics, the protocol and the rotation plan are pure arithmetic, unit-tested on
 synthetic samples.
@@ -42,7 +44,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .cases import ATTENTION, CaseInputs, packed_kv_views
+from .cases import ROW_VIEWS, CaseInputs, padded_rows, pool_views, row_views
 
 Args = dict[str, torch.Tensor]
 Unit = Callable[[], float]
@@ -294,27 +296,30 @@ def make_copies(
     slabs = rotation.slabs
     if slabs == 1 and compact == pages:  # every page used, one slab: the pool as it is
         tiled = pool
+    elif slabs == 1:  # index_select made a new buffer already
+        tiled = compact_pool.contiguous()
     else:
         tiled = compact_pool.repeat(slabs, *([1] * (pool.dim() - 1))).contiguous()
     g = torch.Generator(device=device)
     g.manual_seed(seed + 1)
 
-    shared: Args = {inputs.pool_name: tiled}
-    if inputs.op == ATTENTION:
-        shared["k_cache"], shared["v_cache"] = packed_kv_views(tiled)
-    per_copy_names = [n for n in t if n not in shared and n != "page_table"]
+    shared: Args = {inputs.pool_name: tiled, **pool_views(inputs.op, tiled)}
+    views = {view for view, base in ROW_VIEWS if base in t}  # re-derived per copy
+    per_copy_names = [n for n in t if n not in shared and n not in views and n != "page_table"]
     copies = []
     for k in range(rotation.copies):
         perm = None
         if k >= slabs and compact > 1:
             perm = torch.randperm(compact, generator=g, device=device)
         args = dict(shared)
-        args["page_table"] = remap_page_table(
+        table = remap_page_table(
             t["page_table"], ranks, pages, k % slabs, max(compact, 1), slabs, perm
         )
+        args["page_table"] = padded_rows(table, inputs.layout.table_pad)
         for name in per_copy_names:
-            args[name] = t[name].clone() if k else t[name]
-        copies.append(args)
+            value = t[name]
+            args[name] = value.clone() if k and isinstance(value, torch.Tensor) else value
+        copies.append(row_views(args))
     info = {"original_pages": pages, "pool_pages": int(tiled.shape[0]), "pool_bytes": tiled.nbytes}
     return copies, info
 

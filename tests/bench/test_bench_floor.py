@@ -106,3 +106,35 @@ def test_count_selection_keys_shared_and_unusable():
     assert fb.read["compressed_keys"] == 128 * 256
     assert fb.counts == {"distinct_keys": 128, "usable_blocks": 512}
     assert count_selection_keys(t, chunk_elements=1) == (distinct, usable)  # row chunks agree
+
+
+def test_floor_bytes_per_dtype():
+    # float8 K/V: 512 B per token; the gate is read in q's dtype
+    fb = attention_bytes(1, 1, 16, 2051, q_bytes=2, kv_bytes=1, gate=True)
+    assert fb.read["kv_tokens"] == 2051 * 512 and fb.read["gate"] == 3 * 256 * 2
+    assert fb.total == attention_bytes(1, 1, 16, 2051).total - 2051 * 512 + 1536
+    # float8 indexer: q and keys 1 byte per element
+    fb8 = selection_bytes(1, 1, 64, 8192, elem_bytes=1)
+    fb16 = selection_bytes(1, 1, 64, 8192)
+    assert fb8.read["compressed_keys"] == 8192 * 128 and fb8.read["q"] == 4 * 128
+    assert fb16.total - fb8.total == 8192 * 128 + 4 * 128
+
+
+@pytest.mark.parametrize("layout", ["vllm_bf16_784", "vllm_fp8_784", "bf16_packed_512"])
+def test_floor_of_built_layouts(layout):
+    from custom_esimd_kernels_vllm.bench import cases
+
+    lay = cases.layout_of(layout)
+    att = cases.build(cases.CaseSpec("attention", "dtype", "x", 2, 4096, layout=layout), "cpu")
+    fb = floor_bytes("attention", att.tensors)
+    per_token = 512 * (1 if layout == "vllm_fp8_784" else 2)
+    assert fb.counts["distinct_tokens"] == 2 * 2051  # distinct pages per request, distinct rows
+    assert fb.read["kv_tokens"] == 2 * 2051 * per_token
+    assert fb.read["gate"] == 2 * 3 * 256 * 2
+    assert fb.read["page_table"] == 2 * -(-4096 // lay.page_size) * 4  # the pad is not read
+    assert fb.read["logical_indices"] == 2 * 2051 * 4  # the 2051 columns of [T, 2052]
+    sel = cases.build(cases.CaseSpec("selection", "dtype", "y", 2, 4096, layout=layout), "cpu")
+    fs = floor_bytes("selection", sel.tensors)
+    assert fs.counts == {"distinct_keys": 2 * 1024, "usable_blocks": 2 * 1024}
+    key = 128 * (1 if layout == "vllm_fp8_784" else 2)
+    assert fs.read["compressed_keys"] == 2 * 1024 * key

@@ -107,51 +107,35 @@ def test_failing_implementation_is_recorded_not_fatal(fake_gpu, monkeypatch):
     assert result["modes"]["graph"]["candidate"] == "ref-vectorised"
 
 
-def update_caches_stand_in(key, value, slot_mapping, compressed_slot_mapping, index_wk, kv_cache,
-                           compressed_key_cache):  # fmt: skip
-    """A small PyTorch stand-in with the schema of ``qsa_ops.update_caches``: K/V at their
-    slots, then the compressed key of each completed block from its 4 cached keys."""
-    head = key.shape[1]
-    flat = kv_cache.view(-1, 2 * head)
-    ok = (slot_mapping >= 0) & (slot_mapping < flat.shape[0])
-    flat[slot_mapping[ok]] = torch.cat([key, value], dim=1)[ok]
-    ck = compressed_key_cache.view(-1, compressed_key_cache.shape[-1])
-    done = ok & (compressed_slot_mapping >= 0) & (compressed_slot_mapping < ck.shape[0])
-    first = (slot_mapping[done] // 4) * 4
-    keys = flat[first[:, None] + torch.arange(4), :head].float()  # [n, 4, 256]
-    ck[compressed_slot_mapping[done]] = (keys.mean(dim=1) @ index_wk.T).to(ck.dtype)
-
-
-def test_decode_step_with_a_stand_in_update(monkeypatch, tmp_path):
-    from custom_esimd_kernels_vllm import qsa_ops
-
-    monkeypatch.setattr(qsa_ops, "update_caches", update_caches_stand_in, raising=False)
+def test_decode_step(tmp_path):
     dec = run.decode_step(torch.device("cpu"), rows=(1, 2), context=2048, layers=2, reps=2)
     assert "skipped" not in dec and dec["backend"] == "reference"
+    assert dec["ops"] == ["select", "attention"]
     assert [e["rows"] for e in dec["rows"]] == [1, 2]
     for e in dec["rows"]:
         assert "error" not in e, e.get("error")
-        assert e["check"]["ok"]  # the new K/V landed at their slots
+        assert e["check"]["ok"]  # 2048 tokens listed per row, a finite attention output
         assert e["eager"]["host_us_per_layer"] > 0 and e["eager"]["gpu_us_per_layer"] > 0
         assert e["eager"]["add_us"] > 0  # add_ timed in the same interleaved reps
         assert "graph" not in e  # no CUDA graphs on CPU
     assert dec["targets"] == {"graph_step_over_kernel_sum": 1.15, "eager_host_us_per_layer": 40.0}
     # the graph half of the report, from a hand-made graph entry
-    dec["rows"][0]["graph"] = {"gpu_us_per_layer": 11.0, "host_us_per_layer": 1.0,
-                               "ops_alone_us_per_layer": {"update": 1.0, "select": 4.0,
-                                                          "attention": 5.0},
-                               "kernel_sum_us_per_layer": 10.0, "ratio": 1.1,
+    dec["rows"][0]["graph"] = {"gpu_us_per_layer": 9.9, "host_us_per_layer": 1.0,
+                               "ops_alone_us_per_layer": {"select": 4.0, "attention": 5.0},
+                               "kernel_sum_us_per_layer": 9.0, "ratio": 1.1,
                                "met": True}  # fmt: skip
     md = report.markdown({"environment": {}, "config": {"warmup_units": 1, "pairs": 1,
                           "unit_s": 1e-3, "rotation_factor": 2, "cache_bytes": 1},
                           "cases": [], "decode_step": dec})  # fmt: skip
-    assert "## Decode step" in md and "1.0 + 4.0 + 5.0 = 10.0" in md and "graph <= 1.15x: met" in md
-    assert "`add_` µs (same reps)" in md
+    assert "## Decode step" in md and "4.0 + 5.0 = 9.0" in md and "graph <= 1.15x: met" in md
+    assert "select + attention (graph, alone)" in md and "`add_` µs (same reps)" in md
+    assert "update" not in md
 
 
-def test_decode_step_states_a_skip_without_the_op(monkeypatch):
-    from custom_esimd_kernels_vllm import qsa_ops
+def test_nothing_of_the_bench_names_the_retired_update_operator():
+    from pathlib import Path
 
-    monkeypatch.delattr(qsa_ops, "update_caches", raising=False)
-    dec = run.decode_step(torch.device("cpu"), rows=(1,), context=2048, layers=1)
-    assert "qsa_ops.update_caches" in dec["skipped"] and dec["rows"] == []
+    import custom_esimd_kernels_vllm.bench as bench
+
+    for f in Path(bench.__file__).parent.glob("*.py"):
+        assert "update_caches" not in f.read_text(), f.name

@@ -38,14 +38,18 @@ def test_compiled_call_row_chunks_equal_whole_call(op, monkeypatch):
     assert torch.equal(chunked["out"], whole["out"])
 
 
-def test_execution_order_seeds_targets_rest():
+def test_execution_order_seeds_validation_dtypes_rest():
     grid = cases.grid("default")
     order = cli.execution_order(grid)
-    groups = [(c.group == "seed", c.target) for c in order]
-    first_rest = groups.index((False, False))
-    assert all(g[0] for g in groups[:5])
-    assert all(g == (False, True) for g in groups[5:first_rest])
-    assert all(g == (False, False) for g in groups[first_rest:])
+    rank = [(c.group != "seed", not c.in_validation, c.group != "dtype") for c in order]
+    assert rank == sorted(rank)
+    assert all(c.group == "seed" for c in order[:5])
+    n_valid = sum(c.in_validation for c in grid if c.group != "seed")
+    assert all(c.in_validation for c in order[5 : 5 + n_valid])
+    rest = order[5 + n_valid :]
+    n_dtype = sum(c.group == "dtype" for c in rest)
+    assert all(c.group == "dtype" for c in rest[:n_dtype])
+    assert all(c.group == "scale" for c in rest[n_dtype:])
     assert sorted(c.key for c in order) == sorted(c.key for c in grid)
 
 

@@ -119,11 +119,6 @@ def test_shim_platform_answers_like_vllm(monkeypatch):
 # ----------------------------------------------------------------------------------------
 
 
-def test_packed_indices():
-    idx = torch.tensor([[5, -1, 7, -1], [-1, -1, -1, -1]], dtype=torch.int32)
-    assert impls.packed_indices(idx).tolist() == [[5, 7, -1, -1, 2], [-1, -1, -1, -1, 0]]
-
-
 def test_topk_stand_in_matches_torch_and_masks_invisible_columns():
     logits = torch.randn(2, 16)
     out = torch.full((2, 8), -7, dtype=torch.int32)
@@ -135,56 +130,127 @@ def test_topk_stand_in_matches_torch_and_masks_invisible_columns():
 
 
 class _Attention:
-    @staticmethod
-    def qsa_sparse_paged_attention(q, k, v, packed, table, t2r, prefill, out, *, output_gate):
-        assert q.dtype == k.dtype == out.dtype == torch.bfloat16 and not prefill
-        assert bool((torch.sigmoid(output_gate.float()) == 1).all())
+    """vLLM's signature and input rules (its asserts), the reference's maths."""
+
+    calls: list = []
+
+    @classmethod
+    def qsa_sparse_paged_attention(cls, q, k, v, packed, table, t2r, prefill, out, k_scale=None,
+                                   v_scale=None, *, output_gate):  # fmt: skip
+        assert q.dtype == out.dtype == torch.bfloat16 and not prefill
+        assert k.dtype in (torch.bfloat16, contract.FP8) and k.dtype == v.dtype
+        assert (k_scale is not None) == (k.dtype == contract.FP8)
+        assert packed.shape[1] == contract.WIDTH + 1 and output_gate.is_contiguous()
+        cls.calls.append((q, k, packed, table, output_gate))
         count = packed[:, -1:]
         cols = torch.arange(packed.shape[1] - 1)
         idx = torch.where(cols < count, packed[:, :-1], -1)
-        res = torch.empty_like(q, dtype=torch.float16)
-        reference.sparse_paged_attention_ref(q.half(), k.half(), v.half(), idx, table, t2r, res)
-        return out.copy_(res)
+        return reference.sparse_paged_attention_ref(
+            q, k, v, idx, table, t2r, out, k_scale=k_scale, v_scale=v_scale, gate=output_gate
+        )
 
 
 class _Indexer:
+    calls: list = []
+
     @staticmethod
     def _topk(logits, visible, token_topk, ratio, block_indices, workspace):
         raise AssertionError("the compiled top-k must not run without vLLM's ops")
 
     @classmethod
     def qsa_select_paged_decode(cls, q, kc, table, visible, token_topk, ratio, dql, out):
-        assert q.dtype == kc.dtype == torch.bfloat16 and dql == 1
-        rows, pages = q.shape[0], kc.shape[0]
-        slot = table.long()[:, :, None] * contract.CK_PAGE + torch.arange(contract.CK_PAGE)
-        keys = kc.view(pages * contract.CK_PAGE, -1)[slot.reshape(rows, -1)]
-        logits = reference.block_scores(q.half(), keys.half()) / contract.SCORE_SCALE
+        assert q.dtype == kc.dtype and dql == 1 and table.shape[0] == q.shape[0]
+        cls.calls.append((q, kc, table))
+        rows = q.shape[0]
+        keys = kc[table.long()].reshape(rows, -1, kc.shape[-1])  # [R, M * C, 128]
+        logits = reference.block_scores(q, keys) / contract.SCORE_SCALE
         cls._topk(logits, visible, token_topk, ratio, out, None)
 
 
 @pytest.fixture
 def fake_upstream(monkeypatch):
     monkeypatch.setattr(impls, "kernel_status", lambda device: (True, ""))
+    _Attention.calls, _Indexer.calls = [], []
     return upstream.Upstream(attention=_Attention, indexer=_Indexer, source="stand-in")
 
 
+LAYOUTS = ["seed", "vllm_bf16_784", "vllm_fp8_784", "bf16_packed_512"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("op", ["attention", "selection"])
-def test_upstream_runs_our_cases(fake_upstream, op):
+def test_upstream_runs_our_cases_in_their_dtype(fake_upstream, op, layout):
     cfg = run.BenchConfig(device=torch.device("cpu"), pairs=2, warmup_units=1, max_copies=2,
                           cache_bytes=1 << 20, memory_budget=64 << 20, compile="none",
                           impls=("kernel", "upstream", "upstream-score",
                                  "ref-vectorised"))  # fmt: skip
-    spec = cases.CaseSpec(op, "scale", "R=2 ctx=4K", 2, 4096)
+    group = "scale" if layout == "seed" else "dtype"
+    spec = cases.CaseSpec(op, group, "R=2 ctx=4K", 2, 4096, layout=layout)
     result = run.run_case(spec, cfg, 1e10, run.CompileLedger(), up=fake_upstream)
     assert not result["errors"], result["errors"]
-    want = ["kernel", "upstream"] + (["upstream-score"] if op == "selection" else [])
-    assert list(result["impls"]) == want + ["ref-vectorised"]
+    skipped_upstream = op == "attention" and layout == "seed"
+    want = ["kernel"]
+    if not skipped_upstream:
+        want += ["upstream"] + (["upstream-score"] if op == "selection" else [])
+    refs = ["ref-vectorised"] if layout == "seed" else []  # timed on the seed layout only
+    assert list(result["impls"]) == want + refs
+    for name in want:
+        assert result["impls"][name]["check"]["ok"], (name, result["impls"][name]["check"])
+    if skipped_upstream:
+        assert "bfloat16 queries only" in result["skipped"]["upstream"]
+        return
+    if layout != "seed":
+        assert "seed layout only" in result["skipped"]["ref-vectorised"]
     check = result["impls"]["upstream"]["check"]
-    assert check["ok"], check
     if op == "attention":
         assert check["tolerance"] == run.BF16_TOLERANCE
     else:
         assert check["block_overlap"] >= run.BLOCK_OVERLAP_MIN
         assert _Indexer._topk is not impls.topk_stand_in  # the swap is undone after each call
     baselines = [c["baseline"] for c in result["modes"]["eager"]["comparisons"]]
-    assert baselines == want[1:] + ["ref-vectorised"]
+    assert baselines == want[1:] + refs
+
+
+@pytest.mark.parametrize("layout", ["vllm_bf16_784", "vllm_fp8_784"])
+def test_upstream_reads_the_same_tensors(layout):
+    att = cases.build(cases.CaseSpec("attention", "dtype", "x", 2, 4096, layout=layout), "cpu")
+    a = att.tensors
+    (u,) = impls._prepare_attention([a])
+    for name in ("q", "k_cache", "v_cache", "page_table", "token_to_req", "gate"):
+        assert u[name] is a[name], name
+    # vLLM's [T, 2052] buffer, whose first 2051 columns are our logical_indices
+    assert u["logical_indices"] is a["index_buffer"]
+    assert a["logical_indices"].data_ptr() == a["index_buffer"].data_ptr()
+    assert (u["k_scale"], u["v_scale"]) == (a.get("k_scale"), a.get("v_scale"))
+    assert u["out"].data_ptr() != a["out"].data_ptr()
+    sel = cases.build(cases.CaseSpec("selection", "dtype", "y", 2, 4096, layout=layout), "cpu")
+    s = sel.tensors
+    (v,) = impls._prepare_selection([s])
+    for name in ("q", "compressed_key_cache", "page_table"):  # one request per row
+        assert v[name] is s[name], name
+    assert v["visible_blocks"].tolist() == [1024, 1024] and v["out"].shape == (2, 512)
+
+
+def test_upstream_skip_reasons():
+    assert "bfloat16 queries only" in impls.upstream_skip("attention", "seed")
+    assert impls.upstream_skip("selection", "seed") is None  # q and keys in one dtype: it runs
+    for layout in ("vllm_bf16_784", "vllm_fp8_784", "bf16_packed_512"):
+        assert impls.upstream_skip("attention", layout) is None
+        assert impls.upstream_skip("selection", layout) is None
+    chosen, skipped = impls.select(
+        "attention", 2, torch.device("cpu"), None,
+        up=upstream.Upstream(attention=_Attention, indexer=_Indexer), layout="seed",
+    )  # fmt: skip
+    assert "upstream" not in [i.name for i in chosen] and "float16" in skipped["upstream"]
+
+
+def test_upstream_skip_names_the_rule(monkeypatch):
+    import dataclasses
+
+    lay = cases.layout_of("vllm_bf16_784")
+    variants = dict(cases.VARIANTS)
+    variants["no_gate"] = (dataclasses.replace(lay, gate=False), "no gate")
+    variants["narrow"] = (dataclasses.replace(lay, index_stride=contract.WIDTH), "2051 wide")
+    monkeypatch.setattr(cases, "VARIANTS", variants)
+    assert "always applies an output gate" in impls.upstream_skip("attention", "no_gate")
+    assert "[T, 2052] index buffer" in impls.upstream_skip("attention", "narrow")
