@@ -382,12 +382,15 @@ def _sweep_table(s: dict) -> list[str]:
 def _checks(cases: list[dict]) -> list[str]:
     out = []
     for c in cases:
+        if c.get("reference_error"):
+            out.append(f"- {c['spec']['op']} / {c['spec']['name']}: the reference failed, "
+                       f"nothing compared: `{c['reference_error'][:200]}`")  # fmt: skip
         for name, info in c.get("impls", {}).items():
             chk = info.get("check")
             where = f"{c['spec']['op']} / {c['spec']['name']} / {name}"
             if "error" in info:
                 out.append(f"- {where}: **error** — `{info['error'].splitlines()[-1][:200]}`")
-            elif chk and not chk.get("ok"):
+            elif chk and chk.get("ok") is False:
                 out.append(f"- {where}: disagrees with the reference: {chk}")
     return out
 
@@ -772,8 +775,12 @@ def write_all(data: dict, out_dir: Path, stem: str, with_plot: bool = True) -> d
         "png": out_dir / f"{stem}.png",
         "png_dtypes": out_dir / f"{stem}-dtypes.png",
     }
+    if not dtype_rows(data["cases"]):  # no dtype case in this grid: no such plot
+        paths.pop("png_dtypes")
     if with_plot:
         for key, fn in (("png", plot), ("png_dtypes", plot_dtypes)):
+            if key not in paths:
+                continue
             why = fn(data, paths[key])
             if why:
                 notes = data.setdefault("notes", [])
@@ -782,7 +789,7 @@ def write_all(data: dict, out_dir: Path, stem: str, with_plot: bool = True) -> d
                 paths.pop(key)
     else:
         paths.pop("png")
-        paths.pop("png_dtypes")
+        paths.pop("png_dtypes", None)
     write_json(paths["json"], data)
     paths["md"].write_text(markdown(data) + "\n")
     return paths

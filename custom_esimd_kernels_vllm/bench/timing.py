@@ -277,6 +277,16 @@ def page_bytes(inputs: CaseInputs) -> int:
     return inputs.pool[0].numel() * inputs.pool.element_size() if inputs.pages else 0
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _select_pages(pool: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """``pool.index_select(0, pages)`` done on the bits (an integer view of the same element
+    size): the same bytes for every dtype, float8 included, whatever kernels a backend has."""
+    bits = pool.view(_BITS[pool.element_size()])
+    return bits.index_select(0, pages).view(pool.dtype)
+
+
 def make_copies(
     inputs: CaseInputs, rotation: RotationPlan, seed: int = 0
 ) -> tuple[list[Args], dict[str, object]]:
@@ -290,7 +300,7 @@ def make_copies(
     ranks = torch.zeros(max(pages, 1), dtype=torch.long, device=device)
     if compact:
         ranks[used] = torch.arange(compact, device=device)
-        compact_pool = pool if compact == pages else pool.index_select(0, used)
+        compact_pool = pool if compact == pages else _select_pages(pool, used)
     else:  # nothing valid: keep one page so that every shape stays well formed
         compact_pool = pool[:1]
     slabs = rotation.slabs

@@ -139,3 +139,63 @@ def test_nothing_of_the_bench_names_the_retired_update_operator():
 
     for f in Path(bench.__file__).parent.glob("*.py"):
         assert "update_caches" not in f.read_text(), f.name
+
+
+@pytest.mark.parametrize("layout", ["vllm_bf16_784", "vllm_fp8_784"])
+def test_graph_mode_on_vllm_layouts(fake_gpu, layout):
+    # the public op with contract v2's keywords (scales, gate) on vLLM's layout; the references
+    # run once for the check and are not timed
+    for op in ("attention", "selection"):
+        spec = cases.CaseSpec(op, "dtype", "R=2 ctx=4K", 2, 4096, layout=layout, target_us=1e9)
+        result = _run(spec)
+        assert not result["errors"], result["errors"]
+        assert list(result["impls"]) == ["kernel"]
+        assert result["impls"]["kernel"]["check"]["ok"], result["impls"]["kernel"]["check"]
+        assert "seed layout only" in result["skipped"]["ref-vectorised"]
+        graph = result["modes"]["graph"]
+        assert graph["candidate"] == "kernel" and graph["comparisons"] == []
+        assert len(graph["samples_s"]["kernel"]) == 4  # timed alone: 2 x pairs units
+        assert result["spec"]["layout"] == layout and result["floor"]["total"] > 0
+
+
+def test_validation_run_grid_holds_the_dtype_cases():
+    from custom_esimd_kernels_vllm.bench import cli
+
+    _, grid, budget = cli.configure(cli.parse_args(["--validation", "x.json", "--device", "cpu"]))
+    assert budget == cli.VALIDATION_TIME_BUDGET_S
+    assert {c.layout for c in grid} == {"seed", "vllm_bf16_784", "vllm_fp8_784"}
+    assert [c.group for c in cli.execution_order(grid)][:2] == ["seed", "seed"]
+
+
+def test_a_failing_reference_loses_the_checks_not_the_timings(fake_gpu, monkeypatch, tmp_path):
+    make = impls.make
+
+    def no_reference(name, op, up=None):
+        impl = make(name, op, up)
+        if name != "ref-vectorised":
+            return impl
+
+        def call(args):
+            raise RuntimeError("\"index_select_cuda\" not implemented for 'Float8_e4m3fn'")
+
+        return impls.Impl(name, call, graphable=True, check=op)
+
+    monkeypatch.setattr(impls, "make", no_reference)
+    spec = cases.CaseSpec("attention", "dtype", "R=1 ctx=4K", 1, 4096, layout="vllm_fp8_784")
+    result = _run(spec)
+    assert "not implemented" in result["reference_error"]
+    assert result["impls"]["kernel"]["check"]["ok"] is None
+    assert result["modes"]["graph"]["latency"]["kernel"]["median"] > 0
+    data = {"environment": {}, "config": {"warmup_units": 1, "pairs": 1, "unit_s": 1e-3,
+            "rotation_factor": 2, "cache_bytes": 1}, "cases": [result]}  # fmt: skip
+    assert "the reference failed, nothing compared" in report.markdown(data)
+
+
+def test_page_compaction_keeps_float8_bits():
+    from custom_esimd_kernels_vllm.bench import timing
+    from custom_esimd_kernels_vllm.qsa_ops import contract
+
+    pool = torch.randn(5, 2, 3).to(contract.FP8)
+    got = timing._select_pages(pool, torch.tensor([4, 1]))
+    assert got.dtype == contract.FP8
+    assert torch.equal(got.view(torch.uint8), pool.view(torch.uint8)[[4, 1]])

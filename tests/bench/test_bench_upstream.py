@@ -5,6 +5,7 @@ driven by stand-in upstream functions built on the reference."""
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 import zipfile
@@ -12,7 +13,7 @@ import zipfile
 import pytest
 import torch
 
-from custom_esimd_kernels_vllm.bench import cases, impls, run, upstream
+from custom_esimd_kernels_vllm.bench import cases, impls, report, run, upstream
 from custom_esimd_kernels_vllm.qsa_ops import contract, reference
 
 ATTENTION_SRC = """
@@ -254,3 +255,72 @@ def test_upstream_skip_names_the_rule(monkeypatch):
     monkeypatch.setattr(cases, "VARIANTS", variants)
     assert "always applies an output gate" in impls.upstream_skip("attention", "no_gate")
     assert "[T, 2052] index buffer" in impls.upstream_skip("attention", "narrow")
+
+
+def test_dtype_report_tables_plot_and_validation(fake_upstream, tmp_path):
+    """The dtype/layout sections end to end on CPU: the tables (ours, upstream in the same
+    dtype or its skip, ratio, % of floor), the pages comparison, the dtype plot and the
+    validation record's new fields."""
+    cfg = run.BenchConfig(device=torch.device("cpu"), pairs=1, warmup_units=0, max_copies=1,
+                          cache_bytes=1 << 20, memory_budget=64 << 20, compile="none",
+                          impls=("kernel", "upstream", "upstream-score"))  # fmt: skip
+    grid = [(op, lay, r) for op, lays in (("attention", LAYOUTS), ("selection", LAYOUTS[:3]))
+            for lay in lays for r in (1, 2)]  # fmt: skip
+    results = []
+    for op, lay, r in grid:
+        group = "scale" if lay == "seed" else "dtype"
+        target = 1e9 if (op, lay, r) == ("attention", "vllm_fp8_784", 2) else None
+        spec = cases.CaseSpec(op, group, f"R={r} ctx=4K {cases.variant_label(lay)}", r, 4096,
+                              layout=lay, target_us=target)  # fmt: skip
+        results.append(run.run_case(spec, cfg, 1e10, run.CompileLedger(), up=fake_upstream))
+        assert not results[-1]["errors"], results[-1]["errors"]
+    data = {
+        "environment": {"device_name": "test device", "torch": torch.__version__, "git": {}},
+        "config": {
+            "warmup_units": 0,
+            "pairs": 1,
+            "unit_s": 2e-3,
+            "rotation_factor": 2.0,
+            "cache_bytes": 1 << 20,
+            "argv": [],
+        },  # fmt: skip
+        "copy_bandwidth": {"bandwidth_bytes_per_s": 1e10},
+        "upstream": {
+            "available": True,
+            "source": "stand-in",
+            "version": "0.32.0",
+            "compiled_topk": False,
+            "quoted_topk_us": {"1x1024": 2.0},
+        },  # fmt: skip
+        "cases": results,
+        "notes": [],
+    }
+    paths = report.write_all(data, tmp_path, "bench-test")
+    md = paths["md"].read_text()
+    att = md.split("## Attention by dtype and layout")[1].split("## ")[0]
+    sel = md.split("## Selection by dtype and layout")[1].split("## ")[0]
+    lines = [line for line in att.splitlines() if line.startswith("| 2 |")]
+    assert [line.split(" | ")[2] for line in lines] == [
+        "fp16 seed p512", "bf16 vLLM p784 gate", "fp8 vLLM p784 gate", "bf16 packed p512 gate",
+    ]  # fmt: skip
+    assert "| skipped |" in lines[0]  # float16 attention: upstream's skip, stated in the notes
+    assert all("(measured)" in line and "x |" in line for line in lines[1:])
+    assert lines[2].endswith("| 1e+09 met |")  # the target column
+    assert "% |" in lines[1]  # kernel and upstream % of floor
+    # selection: upstream = its scoring + the quoted top-k where one is quoted (R=1: 1x1024)
+    assert "(score + quoted top-k)" in sel and "(measured, stand-in top-k)" in sel
+    assert "bfloat16 queries only" in md.split("## Notes")[1]
+    pages = md.split("## vLLM's pages against packed pages")[1].split("## ")[0]
+    assert "| attention | 1 |" in pages and "| attention | 2 |" in pages
+    assert paths["png_dtypes"].stat().st_size > 10_000 and paths["png"].stat().st_size > 10_000
+    section = report.validation_section(data)
+    rows = {(c["op"], c["layout"], c["rows"]): c for c in section["cases"]}
+    seed_att = rows[("attention", "seed", 2)]
+    assert "bfloat16 queries only" in seed_att["upstream_skip"] and seed_att["upstream_us"] is None
+    fp8 = rows[("attention", "vllm_fp8_784", 2)]
+    assert fp8["dtypes"] == {"q": "bf16", "kv": "fp8", "index": "fp8"} and fp8["met"]
+    assert fp8["upstream_us"] > 0 and fp8["upstream_pct_of_floor"] > 0
+    assert rows[("selection", "vllm_bf16_784", 1)]["upstream_score_us"] > 0
+    # re-rendering from the JSON draws the same sections
+    again = report.write_all(json.loads(paths["json"].read_text()), tmp_path / "again", "b")
+    assert again["md"].read_text() == md
