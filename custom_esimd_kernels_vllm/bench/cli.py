@@ -299,10 +299,18 @@ def grid_name(args: argparse.Namespace) -> str:
 
 
 def execution_order(grid: list[cases.CaseSpec]) -> list[cases.CaseSpec]:
-    """Seeds first, then the validation subset (the performance-table cases and the dtype
-    cases marked for it), then the other dtype cases, then the rest of the grid: when the time
-    budget cuts the run, what is lost is the least asked for."""
-    return sorted(grid, key=lambda c: (c.group != "seed", not c.in_validation, c.group != "dtype"))
+    """Seeds first, then the validation subset (the float16 performance-table cases, then the
+    dtype cases marked for it), then the other dtype cases, then the rest of the grid: when
+    the time budget cuts the run, what is lost is the least asked for."""
+    return sorted(grid, key=execution_rank)
+
+
+def execution_rank(c: cases.CaseSpec) -> tuple[int, int]:
+    if c.group == "seed":
+        return (0, 0)
+    if c.in_validation:
+        return (1, int(c.group == "dtype"))
+    return (2, int(c.group != "dtype"))
 
 
 def _progress(total: int, enabled: bool):

@@ -41,11 +41,13 @@ def test_compiled_call_row_chunks_equal_whole_call(op, monkeypatch):
 def test_execution_order_seeds_validation_dtypes_rest():
     grid = cases.grid("default")
     order = cli.execution_order(grid)
-    rank = [(c.group != "seed", not c.in_validation, c.group != "dtype") for c in order]
+    rank = [cli.execution_rank(c) for c in order]
     assert rank == sorted(rank)
     assert all(c.group == "seed" for c in order[:5])
     n_valid = sum(c.in_validation for c in grid if c.group != "seed")
-    assert all(c.in_validation for c in order[5 : 5 + n_valid])
+    valid = order[5 : 5 + n_valid]
+    assert all(c.in_validation for c in valid)
+    assert [c.group for c in valid] == ["scale"] * 7 + ["dtype"] * 5  # float16 targets first
     rest = order[5 + n_valid :]
     n_dtype = sum(c.group == "dtype" for c in rest)
     assert all(c.group == "dtype" for c in rest[:n_dtype])
