@@ -1,7 +1,8 @@
 """The upstream baseline on CPU: loading vLLM's kernel files from a tree or a wheel through the
 import shim (with a stand-in ``triton``), every missing piece a stated skip, and the glue that
-feeds upstream our cases (packed indices, bfloat16 copies, the top-k stand-in, the checks),
-driven by stand-in upstream functions built on the reference."""
+feeds upstream our cases (the same tensors in every dtype and layout, the [T, 2052] index
+buffer, the skip reasons, the top-k stand-in, the checks, the dtype report), driven by stand-in
+upstream functions that keep upstream's signatures and input rules, built on the reference."""
 
 from __future__ import annotations
 
