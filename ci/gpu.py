@@ -2,7 +2,7 @@
 installed unrebuilt) and ``bench``. Run by ci/pipeline.py; without a CUDA device both are
 recorded as skipped with the reason.
 
-    python3 -m ci.pipeline kernels --wheel dist/X.whl [--record PATH] [PYTEST ARGS]
+    python3 -m ci.pipeline kernels --wheel dist/X.whl [--record PATH] [--checks A,B] [PYTEST ARGS]
     python3 -m ci.pipeline bench [--wheel dist/X.whl] [BENCH ARGS]
 """
 
@@ -110,7 +110,32 @@ def kernels_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--wheel", type=Path, help="the wheel to validate (default: dist/*.whl)")
     parser.add_argument("--record", type=Path, default=GPU_RECORD, help="validation record")
+    parser.add_argument(
+        "--checks",
+        default=",".join(GPU_CHECKS[1:]),
+        help="the checks to run now (default: all): a record of the same wheel keeps the "
+        "results of the others, so one validation may be split over several runs",
+    )
     return parser
+
+
+def chosen_checks(value: str) -> tuple[str, ...]:
+    """The --checks list, refused with the known names when one is unknown."""
+    names = tuple(n for n in value.split(",") if n)
+    unknown = [n for n in names if n not in GPU_CHECKS[1:]]
+    if unknown or not names:
+        raise Failed(f"--checks takes names of {', '.join(GPU_CHECKS[1:])}, got {value!r}")
+    return names
+
+
+def earlier_record(path: Path, wheel_sha256: str) -> dict[str, Any]:
+    """The record at ``path`` when it validated the same wheel (else empty): the results of the
+    checks this run does not repeat."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if (record.get("wheel") or {}).get("sha256") == wheel_sha256 else {}
 
 
 def bench_parser() -> argparse.ArgumentParser:
@@ -129,6 +154,7 @@ def kernels(env: Env) -> None:
     The wheel is installed as it is and goes through the provenance check, tests/gpu,
     compute-sanitizer (memcheck, racecheck) and the benchmark's timing."""
     args, pytest_args = kernels_parser().parse_known_args(env.posargs)  # the rest: pytest's
+    run_now = chosen_checks(args.checks)
     ok, why = cuda_device()
     if not ok:
         env.details["checks"] = {name: f"skipped: {why}" for name in GPU_CHECKS}
@@ -163,7 +189,11 @@ def kernels(env: Env) -> None:
         "racecheck": lambda: sanitizer(env, pyenv, scratch, "racecheck"),
         "timing": lambda: bench_json(env, timing, pyenv, scratch, commit),
     }
+    earlier = earlier_record(args.record, sha256_file(whl))
     for name, func in steps.items():
+        if name not in run_now:
+            checks[name] = (earlier.get("checks") or {}).get(name, "not run")
+            continue
         try:
             func()
             checks[name] = "passed"
@@ -176,11 +206,22 @@ def kernels(env: Env) -> None:
     except Failed as exc:  # still write the record: the checks above are the evidence
         info = {"gpu_info_error": str(exc)}
         checks["gpu_info"] = f"failed: {exc}"
-    counts, cases = junit_cases(junit) if junit.is_file() else ({}, [])
+    if "tests" in run_now:
+        counts, cases = junit_cases(junit) if junit.is_file() else ({}, [])
+    else:
+        counts, cases = earlier.get("tests") or {}, earlier.get("cases") or []
+    if "timing" in run_now:
+        timing_data = json.loads(timing.read_text()) if checks["timing"] == "passed" else None
+    else:
+        timing_data = earlier.get("timing")
     source = provenance.source_sha256(ROOT)
+    command = f"python3 -m ci.pipeline kernels --wheel {whl.name}"
+    if set(run_now) != set(GPU_CHECKS[1:]):
+        command += f" --checks {','.join(run_now)}"
     record = {
-        "command": f"python3 -m ci.pipeline kernels --wheel {whl.name}",
+        "command": command,
         "date": now_utc(),
+        "runs": [*earlier.get("runs", []), {"date": now_utc(), "checks": list(run_now)}],
         "wheel": {"name": whl.name, "sha256": sha256_file(whl)},
         "dso": {"name": Path(evidence["dso"]["path"]).name, "sha256": evidence["dso"]["sha256"]},
         "built_from": {
@@ -197,7 +238,7 @@ def kernels(env: Env) -> None:
         **info,
         "checks": checks,
         "tests": counts,
-        "timing": json.loads(timing.read_text()) if checks["timing"] == "passed" else None,
+        "timing": timing_data,
         "cases": cases,
     }
     args.record.parent.mkdir(parents=True, exist_ok=True)

@@ -288,6 +288,28 @@ def test_kernels_without_a_gpu_records_every_check_as_skipped(pipeline, dirs, mo
     }
 
 
+def test_kernels_checks_are_chosen_by_name(pipeline):
+    from ci import gpu
+
+    assert gpu.chosen_checks("tests") == ("tests",)
+    assert gpu.chosen_checks("memcheck,racecheck,timing") == ("memcheck", "racecheck", "timing")
+    for bad in ("", "provenance", "tests,speed"):
+        with pytest.raises(pipeline.Failed, match="--checks takes names of tests, memcheck"):
+            gpu.chosen_checks(bad)
+
+
+def test_kernels_keeps_an_earlier_record_of_the_same_wheel_only(pipeline, tmp_path):
+    from ci import gpu
+
+    path = tmp_path / "record.json"
+    assert gpu.earlier_record(path, "aa") == {}  # none yet
+    path.write_text(json.dumps({"wheel": {"sha256": "aa"}, "checks": {"tests": "passed"}}))
+    assert gpu.earlier_record(path, "aa")["checks"] == {"tests": "passed"}
+    assert gpu.earlier_record(path, "bb") == {}  # another wheel's results are not kept
+    path.write_text("{not json")
+    assert gpu.earlier_record(path, "aa") == {}
+
+
 def test_junit_cases_counts_outcomes(pipeline, tmp_path):
     from ci import gpu
 
