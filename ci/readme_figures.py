@@ -78,29 +78,43 @@ def _graph_median_us(bench: dict[str, Any], case: dict[str, Any], impl: str) -> 
     raise KeyError(f"{case['op']} {case['case']}: not in the benchmark record")
 
 
-def upstream_of(records: dict[str, Any], case: dict[str, Any]) -> tuple[str, float]:
-    """Upstream's time as the table shows it and upstream / kernel. Selection: its scoring in
-    this run plus its compiled top-k's quoted figure for the same shape."""
+def upstream_of(records: dict[str, Any], case: dict[str, Any]) -> tuple[str, float | None]:
+    """Upstream's time as the table shows it and upstream / kernel (None: not measured, e.g.
+    upstream takes no float16 queries). Selection: its scoring in this run plus its compiled
+    top-k's quoted figure for the same shape (scoring alone where none is quoted)."""
     if case["op"] != "selection":
+        if case.get("upstream_us") is None:
+            return "—", None
         return f"{case['upstream_us']:.1f}", case["upstream_over_kernel"]
-    bench = records["bench"]
-    score = _graph_median_us(bench, case, "upstream-score")
-    topk = bench["upstream"]["quoted_topk_us"][f"{case['rows']}x{case['context'] // 4}"]
+    try:
+        score = _graph_median_us(records["bench"], case, "upstream-score")
+    except KeyError:
+        return "—", None
+    quoted = records["bench"]["upstream"].get("quoted_topk_us") or {}
+    topk = quoted.get(f"{case['rows']}x{case['context'] // 4}")
+    if topk is None:
+        return f"{score:.1f} (scoring only)", None
     return f"{score:.1f} + {topk:.1f}", (score + topk) / case["kernel_us"]
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "—" if value is None else format(value, fmt)
 
 
 def bench_table(records: dict[str, Any]) -> str:
     rows = [
-        "| op | case | target µs | kernel µs | upstream µs | upstream / kernel "
-        "| vectorised ref µs | % of memory floor |",
-        "|---|---|---|---|---|---|---|---|",
+        "| op | case | dtype / layout | target µs | kernel µs | upstream µs "
+        "| upstream / kernel | vectorised ref µs | % of memory floor |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for case in records["validation"]["timing"]["cases"]:
         upstream, ratio = upstream_of(records, case)
+        ref = (case.get("references_us") or {}).get("ref-vectorised")
         rows.append(
-            f"| {case['op']} | {_label(case)} | {case['target_us']:g} | {case['kernel_us']:.1f} "
-            f"| {upstream} | {ratio:.2f}x | {case['references_us']['ref-vectorised']:,.0f} "
-            f"| {case['kernel_pct_of_floor']:.0f} % |"
+            f"| {case['op']} | {_label(case)} | {case.get('layout_label') or 'fp16 seed'} "
+            f"| {_num(case['target_us'], 'g')} | {case['kernel_us']:.1f} | {upstream} "
+            f"| {_num(ratio, '.2f')}{'' if ratio is None else 'x'} | {_num(ref, ',.0f')} "
+            f"| {_num(case['kernel_pct_of_floor'], '.0f')} % |"
         )
     return "\n\n" + "\n".join(rows) + "\n\n"
 
@@ -111,10 +125,14 @@ def ratio_range(ratios: list[float]) -> str:
 
 
 def attention_speedups(records: dict[str, Any]) -> str:
+    """upstream / ours over the attention cases where upstream ran on the same inputs."""
     cases = records["validation"]["timing"]["cases"]
-    return "attention " + ratio_range(
-        [c["upstream_over_kernel"] for c in cases if c["op"] == "attention"]
-    )
+    ratios = [
+        c["upstream_over_kernel"]
+        for c in cases
+        if c["op"] == "attention" and c.get("upstream_over_kernel") is not None
+    ]
+    return "attention " + (ratio_range(ratios) if ratios else "not measured")
 
 
 def host_cost(records: dict[str, Any]) -> str:
@@ -132,9 +150,7 @@ def decode_graph(records: dict[str, Any]) -> str:
     times = " / ".join(f"{r['graph']['gpu_us_per_layer']:.1f}" for r in rows)
     sizes = " / ".join(str(r["rows"]) for r in rows)
     ratios = ratio_range([r["graph"]["ratio"] for r in rows])
-    return (
-        f"graph replay {times} µs per layer at R = {sizes}, {ratios} the three kernels' own times"
-    )
+    return f"graph replay {times} µs per layer at R = {sizes}, {ratios} the kernels' own times"
 
 
 def decode_eager(records: dict[str, Any]) -> str:
