@@ -220,6 +220,7 @@ def _make_indexer_cls(base: type) -> type:
         def forward(self, projected_qk, positions, out=None, *, attn, qkv=None, slot_mapping=None):
             metadata = self._metadata()
             if metadata is None:  # profile and dummy runs: upstream's inert rows
+                _reserve_workspaces(self, projected_qk)
                 return super().forward(
                     projected_qk, positions, out, attn=attn, qkv=qkv, slot_mapping=slot_mapping
                 )
@@ -328,6 +329,34 @@ def _make_impl_cls(base: type) -> type:
 
 
 _announced = False
+# (device, stream, rows) whose op-layer workspaces were reserved in a profiling forward
+_reserved: set[tuple] = set()
+
+
+def _reserve_workspaces(indexer, projected_qk: torch.Tensor) -> None:
+    """In vLLM's profiling forward (no metadata), on CUDA: run both operators once at the
+    step's row count and the longest page table (paging.reserve_workspaces), so that their
+    workspaces count in the memory vLLM measures before it sizes the KV cache."""
+    geometry = getattr(indexer, "_qsa_geometry", None)
+    if not projected_qk.is_cuda or geometry is None:
+        return
+    rows, device = projected_qk.shape[0], projected_qk.device
+    key = (device, torch.cuda.current_stream(device).cuda_stream, rows)
+    if rows == 0 or key in _reserved:
+        return
+    from .paging import reserve_workspaces
+
+    max_model_len, page_size = geometry
+    dtype = projected_qk.dtype
+    q = torch.zeros(rows, contract.ATTN_HEADS, contract.HEAD_DIM, dtype=dtype, device=device)
+    index_q = torch.zeros(
+        rows, contract.INDEX_HEADS, contract.INDEX_DIM, dtype=dtype, device=device
+    )
+    positions = torch.zeros(rows, dtype=torch.int64, device=device)
+    selected = torch.empty(rows, contract.WIDTH, dtype=torch.int32, device=device)
+    max_pages = -(-max_model_len // page_size)
+    reserve_workspaces(q, index_q, positions, selected, torch.empty_like(q), max_pages, page_size)
+    _reserved.add(key)
 
 
 def _check_layer(attn, vllm_config) -> None:
@@ -386,6 +415,9 @@ def _route_model(model: torch.nn.Module, vllm_config) -> None:
             ):
                 raise RuntimeError(f"{module.layer_name}: QSA was built before the routing")
             _check_layer(module, vllm_config)
+            page_size = vllm_config.cache_config.block_size or contract.KV_PAGE
+            if page_size % contract.COMPRESS_RATIO == 0:  # else the first step allocates
+                module.indexer._qsa_geometry = (vllm_config.model_config.max_model_len, page_size)
 
 
 def _upstream_model_cls(name: str) -> type:
