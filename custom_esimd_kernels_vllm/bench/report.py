@@ -607,6 +607,17 @@ def _panel_ratio(ax, cases: list[dict], op: str, data: dict) -> bool:
     return drew
 
 
+def _log_axes(ax, rows: list[int], title: str, xlabel: str) -> None:
+    """Log-log axes over the rows R (one tick per R), the plots' common style."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(rows, [str(x) for x in rows])
+    ax.minorticks_off()
+    ax.set_yscale("log")
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel)
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def _panel_decode(ax, dec: dict) -> bool:
     rows = [e for e in dec.get("rows", []) if "eager" in e]
     if not rows:
@@ -623,13 +634,7 @@ def _panel_decode(ax, dec: dict) -> bool:
             xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, "-o", ms=4, color=f"C{k}", label=label)
     ax.axhline(dec["targets"]["eager_host_us_per_layer"], color="C0", ls=":", lw=1)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(r, [str(x) for x in r])
-    ax.minorticks_off()
-    ax.set_yscale("log")
-    ax.set_title(f"decode step, {dec['layers']} layers (µs per layer)", fontsize=9)
-    ax.set_xlabel("R (requests)")
-    ax.grid(True, which="both", alpha=0.3)
+    _log_axes(ax, r, f"decode step, {dec['layers']} layers (µs per layer)", "R (requests)")
     ax.legend(fontsize=7)
     return True
 
@@ -743,13 +748,7 @@ def plot_dtypes(data: dict, path: Path) -> str | None:
                     kw = {} if name == "memory floor" else {"color": f"C{k}", "ms": 4}
                     ax.plot(xs, ys, style, label=name, **kw)
             r = [c["spec"]["rows"] for c in sel]
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(r, [str(x) for x in r])
-            ax.minorticks_off()
-            ax.set_yscale("log")
-            ax.set_title(f"{op}, {labels[lay]}", fontsize=9)
-            ax.set_xlabel("R (rows)")
-            ax.grid(True, which="both", alpha=0.3)
+            _log_axes(ax, r, f"{op}, {labels[lay]}", "R (rows)")
             if j == 0:
                 ax.set_ylabel("latency per call (µs)")
     handles, names = [], []
