@@ -21,9 +21,7 @@ from ..qsa_ops.contract import (
     PACKED_TOKEN_STRIDE,
     TOKEN_TOPK,
 )
-from ..qsa_ops.contract import (
-    kv_views as _kv_views,
-)
+from ..qsa_ops.contract import kv_views as _kv_views
 
 
 def reserve_workspaces(

@@ -160,14 +160,13 @@ def _op_names(op: str) -> list[str]:
     return [name for _, name in ops.schema_arguments(op)]
 
 
-def _outputs(op: str) -> tuple[str, ...]:
-    return ("out",)
+OUTPUTS = ("out",)  # what each operator writes
 
 
 def _corpus(op: str, layout: str):
     args = _base_args(op, layout)
     names = _op_names(op)
-    changes = testing.refusal_mutations(args, names, _shapes(op), _outputs(op))
+    changes = testing.refusal_mutations(args, names, _shapes(op), OUTPUTS)
     changes += testing.contract_v2_mutations(args, names)
     ints = [(n, i) for i, (t, n) in enumerate(ops.schema_arguments(op)) if t == "int"]
     for name, i in ints:

@@ -31,13 +31,12 @@ def _shapes(op: str) -> dict[str, tuple]:
     return {a.name: a.shape for a in spec.args}
 
 
-def _outputs(op: str) -> tuple[str, ...]:
-    return ("out",)
+OUTPUTS = ("out",)  # what each operator writes
 
 
 def _written(op: str, args) -> list:
     names = ops.public_arguments(op)
-    return [args[names.index(o)] for o in _outputs(op)]
+    return [args[names.index(o)] for o in OUTPUTS]
 
 
 def _snapshot(tensors) -> list:
@@ -72,7 +71,7 @@ def _mutations(op: str, device: str):
     if op == "sparse_paged_attention":
         args += [case.kwargs()[k] for k in ops.keyword_only(op)]
     names = ops.public_arguments(op)
-    changes = testing.refusal_mutations(args, names, _shapes(op), _outputs(op))
+    changes = testing.refusal_mutations(args, names, _shapes(op), OUTPUTS)
     changes += testing.contract_v2_mutations(args, names)
     if op == "sparse_paged_attention":
         k, v = names.index("k_cache"), names.index("v_cache")
