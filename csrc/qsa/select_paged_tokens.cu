@@ -287,6 +287,13 @@ __device__ __forceinline__ int block_inclusive_scan(int x, int* warp_sums) {
 // (keys written by other CTAs of this launch: read through L2). Missing blocks read as 0.
 constexpr int kTile = kThreads * 4 * kStreamUnroll;  // 16384 blocks
 
+// The words of a row's keys in the workspace: its candidate blocks rounded up to 4, so that
+// every row starts 16-byte aligned (load_tile reads 4 keys per load) for any M * C (C = 129,
+// say, a page of 516 tokens).
+__host__ __device__ constexpr int64_t key_stride(int64_t ncap) {
+  return (ncap + 3) & ~int64_t(3);
+}
+
 // kBounded: skip the slot rows past the row's blocks (all zero), for a resident tile.
 // NOTES: the visits' unrolled bodies are ~25 KB of the kernel's code and the last CTA runs
 // them once, so the time of a short row went to instruction fetch (ncu: `no_inst` stalls at
@@ -730,7 +737,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   n = n > 0 ? n : 0;
   const int64_t nb = n / kRatio;
   const int64_t nbv = b_ok ? (nb < ncap ? nb : ncap) : 0;  // candidate blocks
-  uint32_t* row_keys = keys + rl * ncap;
+  uint32_t* row_keys = keys + rl * key_stride(ncap);
 
   // ---- Scores: each warp scores 16 blocks of one page per iteration -----------------------
   const T* ck = static_cast<const T*>(p.compressed_keys);
@@ -1100,7 +1107,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 int64_t candidate_blocks(int64_t table_width, int64_t c) { return table_width * c; }
 
 int64_t group_rows(int64_t rows, int64_t table_width, int64_t c) {
-  const int64_t per_row = std::max<int64_t>(candidate_blocks(table_width, c), 1) * 4;
+  const int64_t per_row = std::max<int64_t>(key_stride(candidate_blocks(table_width, c)), 4) * 4;
   int64_t g = static_cast<int64_t>(kWorkspaceCap / static_cast<size_t>(per_row));
   g = std::max<int64_t>(g, 1);
   g = std::min<int64_t>(g, kCounterSlots);
@@ -1146,7 +1153,7 @@ int64_t dist_rows(int64_t rows, int64_t table_width, int64_t c) {
 
 size_t key_words(int64_t rows, int64_t table_width, int64_t c) {
   return static_cast<size_t>(group_rows(rows, table_width, c)) *
-         static_cast<size_t>(candidate_blocks(table_width, c));
+         static_cast<size_t>(key_stride(candidate_blocks(table_width, c)));
 }
 
 size_t select_workspace_bytes(int64_t rows, int64_t table_width, int64_t c) {

@@ -173,7 +173,7 @@ def test_decode_counters_across_calls(cuda_backend, monkeypatch):
 def test_refusals_on_cuda(cuda_backend):
     case = testing.make_attention_case("valid_width_32", 1, DEVICE)
     args = list(case.args())
-    args[1] = case.k_cache.contiguous()
+    args[1] = case.k_cache[..., :128]  # (a contiguous copy is valid since contract v2)
     with pytest.raises(ValueError, match="k_cache"):
         qsa_ops.sparse_paged_attention(*args)
     args = list(case.args())

@@ -83,6 +83,27 @@ def test_select_layouts(cuda_backend, layout, R):
         testing.check_selection(case, _select(case), exact=True)
 
 
+# Keys per page whose row of M * C candidate keys is not a multiple of 4 words (the
+# workspace rows are padded to 16 bytes; unpadded, C = 129 faulted with a misaligned load).
+ODD_KEYS = {
+    "fp16_c129": testing.Layout(page_size=516, keys_per_page=129),
+    "fp8_c130": testing.Layout(
+        dtype=torch.bfloat16, index_dtype=testing.FP8, page_size=520, keys_per_page=130
+    ),
+}
+
+
+@pytest.mark.parametrize("R", [1, 3, 64, 300])
+@pytest.mark.parametrize("layout", sorted(ODD_KEYS))
+def test_select_odd_keys_per_page(cuda_backend, layout, R):
+    for name in testing.SELECT_CASES:
+        case = testing.make_select_case(
+            name, R, DEVICE, seed=R, integer=True, layout=ODD_KEYS[layout]
+        )
+        testing.check_selection(case, _select(case), exact=True)
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
 def test_select_generic_path(cuda_backend, layout, monkeypatch):
     """The generic (radix) select on every layout: the same bits as the fast paths."""
