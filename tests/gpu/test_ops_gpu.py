@@ -156,7 +156,7 @@ def test_mixed_devices_refused_with_the_contract_message(cuda_backend, op):
     for i, name in enumerate(names):
         case = _public_case(op, DEVICE)
         args = list(case.args())
-        if not isinstance(args[i], torch.Tensor) or name in (first, "v_cache"):
+        if i >= len(args) or not isinstance(args[i], torch.Tensor) or name in (first, "v_cache"):
             continue
         if name == "k_cache":  # the pair moves together (the buffer the operator takes)
             args[i], args[i + 1] = testing.packed_kv(args[i].shape[0], "cpu")[1:]
