@@ -197,8 +197,8 @@ def kernels(env: Env) -> None:
         try:
             func()
             checks[name] = "passed"
-        except Failed as exc:
-            checks[name] = f"failed: {exc}"
+        except Failed as exc:  # the record names no machine's directories
+            checks[name] = "failed: " + str(exc).replace(f"{ROOT}/", "")
     try:
         out = env.run("python", "-c", GPU_INFO, env=pyenv, cwd=scratch, silent=True)
         # paths relative to the checkout: the record names no machine's directories

@@ -75,6 +75,16 @@ def select_corpus():
                 R, 3, M, P, device=DEVICE, seed=100 + i, integer=True, layout=layout,
                 name=f"{name} R={R}",
             )  # fmt: skip
+    # keys per page whose rows of M * C keys are not a multiple of 4 words (C = 129, 130)
+    odd = (testing.Layout(page_size=516, keys_per_page=129),
+           testing.Layout(dtype=torch.bfloat16, index_dtype=testing.FP8, page_size=520,
+                          keys_per_page=130))  # fmt: skip
+    for i, layout in enumerate(odd):
+        for R, M, P in ((5, 3, 6), (140, 3, 5)):
+            yield testing.random_select_case(
+                R, 3, M, P, device=DEVICE, seed=200 + i, integer=True, layout=layout,
+                name=f"C={layout.keys_per_page} R={R}",
+            )  # fmt: skip
 
 
 def attention_corpus():
