@@ -10,6 +10,16 @@ from custom_esimd_kernels_vllm.qsa_ops import KV_PAGE, reference, testing
 
 DEVICE = "cuda"
 
+# Keys per page whose row of M * C candidate keys is not a multiple of 4 words (the
+# selection's workspace rows are padded to 16 bytes; unpadded, C = 129 faulted with a
+# misaligned load): valid v2 inputs for the suite and the sanitizer corpus.
+ODD_KEYS = {
+    "fp16_c129": testing.Layout(page_size=516, keys_per_page=129),
+    "fp8_c130": testing.Layout(
+        dtype=torch.bfloat16, index_dtype=testing.FP8, page_size=520, keys_per_page=130
+    ),
+}
+
 
 def reference_select(case: testing.SelectCase) -> torch.Tensor:
     out = case.new_out()

@@ -26,7 +26,7 @@ INT32_MAX = 2**31 - 1
 
 
 def select_corpus():
-    from gpu_helpers import distributed_row_case  # beside this file: see __main__
+    from gpu_helpers import ODD_KEYS, distributed_row_case  # beside this file: see __main__
 
     yield testing.random_select_case(
         6, 2, 3, 4, device=DEVICE, seed=1, integer=True,
@@ -76,14 +76,11 @@ def select_corpus():
                 name=f"{name} R={R}",
             )  # fmt: skip
     # keys per page whose rows of M * C keys are not a multiple of 4 words (C = 129, 130)
-    odd = (testing.Layout(page_size=516, keys_per_page=129),
-           testing.Layout(dtype=torch.bfloat16, index_dtype=testing.FP8, page_size=520,
-                          keys_per_page=130))  # fmt: skip
-    for i, layout in enumerate(odd):
+    for i, (name, layout) in enumerate(sorted(ODD_KEYS.items())):
         for R, M, P in ((5, 3, 6), (140, 3, 5)):
             yield testing.random_select_case(
                 R, 3, M, P, device=DEVICE, seed=200 + i, integer=True, layout=layout,
-                name=f"C={layout.keys_per_page} R={R}",
+                name=f"{name} R={R}",
             )  # fmt: skip
 
 

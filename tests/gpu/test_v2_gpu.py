@@ -7,9 +7,11 @@ torch.compile on v2 layouts."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
-from gpu_helpers import DEVICE, assert_fully_written, row_subset
+from gpu_helpers import DEVICE, ODD_KEYS, assert_fully_written, row_subset
 
 from custom_esimd_kernels_vllm import qsa_ops
 from custom_esimd_kernels_vllm.qsa_ops import testing
@@ -83,16 +85,6 @@ def test_select_layouts(cuda_backend, layout, R):
         testing.check_selection(case, _select(case), exact=True)
 
 
-# Keys per page whose row of M * C candidate keys is not a multiple of 4 words (the
-# workspace rows are padded to 16 bytes; unpadded, C = 129 faulted with a misaligned load).
-ODD_KEYS = {
-    "fp16_c129": testing.Layout(page_size=516, keys_per_page=129),
-    "fp8_c130": testing.Layout(
-        dtype=torch.bfloat16, index_dtype=testing.FP8, page_size=520, keys_per_page=130
-    ),
-}
-
-
 @pytest.mark.parametrize("R", [1, 3, 64, 300])
 @pytest.mark.parametrize("layout", sorted(ODD_KEYS))
 def test_select_odd_keys_per_page(cuda_backend, layout, R):
@@ -151,8 +143,8 @@ def test_graph_replay_layouts(cuda_backend, layout, R):
     _replay_identical(lambda: qsa_ops.select_paged_tokens(*sel.args()), sel.out)
 
 
-OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
-                 "test_aot_dispatch_dynamic")  # fmt: skip
+# opcheck's default tests (torch's own list)
+OPCHECK_UTILS = inspect.signature(torch.library.opcheck).parameters["test_utils"].default
 
 
 @pytest.mark.parametrize("layout", ["bf16_gate", "vllm_fp8_784"])
@@ -160,23 +152,20 @@ def test_opcheck_layouts(cuda_backend, layout):
     lay = testing.LAYOUTS[layout]
     # opcheck's test_schema compares tensors with arithmetic that float8 lacks ("mul_cuda" not
     # implemented for Float8_e4m3fn): with float8 inputs the schema's promise (only `out` is
-    # written) is checked here byte for byte instead, and opcheck runs its other tests.
+    # written) is checked by the inputs' snapshot instead, and opcheck runs its other tests.
     fp8 = testing.FP8 in (lay.cache_dtype, lay.select_dtype)
-    utils = OPCHECK_UTILS[1:] if fp8 else OPCHECK_UTILS
+    utils = tuple(u for u in OPCHECK_UTILS if not (fp8 and u == "test_schema"))
     att = testing.make_attention_case("full_width_2051", 2, DEVICE, seed=1, layout=lay)
     sel = testing.make_select_case(
         testing.SELECT_CASES[0], 2, DEVICE, seed=1, integer=True, layout=lay
     )
-    for op, args, kwargs in (
-        (torch.ops.qsa.sparse_paged_attention.default, att.args(), att.kwargs()),
-        (torch.ops.qsa.select_paged_tokens.default, sel.args(), {}),
+    for op, case, kwargs in (
+        (torch.ops.qsa.sparse_paged_attention.default, att, att.kwargs()),
+        (torch.ops.qsa.select_paged_tokens.default, sel, {}),
     ):
-        inputs = [t for t in (*args[:-1], *kwargs.values()) if isinstance(t, torch.Tensor)]
-        before = [t.view(torch.uint8).clone() if t.numel() else t for t in inputs]
-        torch.library.opcheck(op, args, kwargs, test_utils=utils)
-        torch.cuda.synchronize()
-        for t, b in zip(inputs, before, strict=True):
-            assert not t.numel() or torch.equal(t.view(torch.uint8), b), f"{op}: an input changed"
+        before = testing.snapshot(case)
+        torch.library.opcheck(op, case.args(), kwargs, test_utils=utils)
+        testing.assert_inputs_unchanged(case, before)
 
 
 def test_compile_fullgraph_layout(cuda_backend):
