@@ -659,9 +659,9 @@ def time_all(new: Lib, old: Lib, up, results: list, rows_att, rows_sel, budget_s
                 new.reserve_attention(R)
                 old.reserve_attention(R)
                 impls = [("new", lambda a: new.attention(a))]
-                if alt is not None:
-                    alt.reserve_attention(R)
-                    impls.append(("alt", lambda a: alt.attention(a)))
+                for aname, alib in (alt or {}).items():
+                    alib.reserve_attention(R)
+                    impls.append((aname, lambda a, alib=alib: alib.attention(a)))
                 if pname == "packed512_fp16":
                     impls = (
                         [("seed", lambda a: old.attention(a))]
@@ -756,6 +756,9 @@ def time_all(new: Lib, old: Lib, up, results: list, rows_att, rows_sel, budget_s
                 copies.append(a)
             new.reserve_select(R, M, Cp)
             impls = [("new", lambda a: new.select(a))]
+            for aname, alib in (alt or {}).items():
+                alib.reserve_select(R, M, Cp)
+                impls.append((aname, lambda a, alib=alib: alib.select(a)))
             if pname == "seed_fp16":
                 old.reserve_select(R, M, Cp)
                 impls = (
@@ -817,8 +820,11 @@ def main():
     args = ap.parse_args()
     new = Lib(ROOT / ".harness/libqsa_new.so", True)
     old = Lib(ROOT / ".harness/libqsa_old.so", False)
-    alt_path = ROOT / ".harness/libqsa_alt.so"
-    alt = Lib(alt_path, True) if alt_path.is_file() else None
+    # candidate variants of this tree (.harness/libqsa_alt*.so), timed beside it
+    alt = {
+        f.stem.removeprefix("libqsa_"): Lib(f, True)
+        for f in sorted((ROOT / ".harness").glob("libqsa_alt*.so"))
+    }
     out = Path(args.out)
     res = {
         "device": torch.cuda.get_device_name(),
@@ -830,7 +836,7 @@ def main():
     fails = []
     if args.check:
         t = time.time()
-        check(new, old, res["checks"], fails, alt)
+        check(new, old, res["checks"], fails, next(iter(alt.values()), None))
         print(
             f"checks: {len(res['checks'])} run, {len(fails)} failed ({time.time() - t:.0f} s)",
             flush=True,

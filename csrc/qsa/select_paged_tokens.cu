@@ -36,6 +36,11 @@
 #include "common.cuh"
 #include "qsa.h"
 
+// Key chunks in flight per warp with float8 keys (v31; 2 before).
+#ifndef QSA_SELECT_FP8_DEPTH
+#define QSA_SELECT_FP8_DEPTH 4
+#endif
+
 namespace qsa {
 // NOTES: a named namespace, not an anonymous one: nvcc names anonymous-namespace kernels
 // after a hash of the source's absolute path, which would make the DSO depend on where it
@@ -716,7 +721,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int32_t* table = p.page_table + (b_ok ? b : 0) * p.page_table_stride;
   const int64_t len = detail::ldg32_pred(p.sequence_lengths + (b_ok ? b : 0), b_ok, 0);
   const int64_t stride = int64_t(gridDim.x) * kGroups * kScoreChunk;
-  // The pages of the warp's first four chunks (the table's entries: the row's length is not
+  // The pages of the warp's first 2 kDepth chunks (the table's entries: the row's length is not
   // known yet; j < ncap: the table has the chunk's page, and with M = 0 there is none to read).
   // kPageChunks: one entry per chunk (a == b); else the pages of this lane's blocks j + g
   // (a) and j + g + 8 (b).
@@ -731,8 +736,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       return int2{lookup(j + g, ncap, b_ok), lookup(j + g + 8, ncap, b_ok)};
     }
   };
-  int2 ph0 = page_first(wfirst), ph1 = page_first(wfirst + stride);
-  int2 ph2 = page_first(wfirst + 2 * stride), ph3 = page_first(wfirst + 3 * stride);
+  // NOTES (v31): chunks in flight per warp. float8 keys: a chunk's loads are half the bytes
+  // of a 2-byte chunk's, so four chunks (the same registers and bytes per lane as two 2-byte
+  // chunks).
+  constexpr int kDepth = Elem<T>::kBytes == 1 ? QSA_SELECT_FP8_DEPTH : 2;
+  int2 ph[2 * kDepth];
+#pragma unroll
+  for (int k = 0; k < 2 * kDepth; ++k) ph[k] = page_first(wfirst + k * stride);
   int64_t n = pos1 < len ? pos1 : len;
   n = n > 0 ? n : 0;
   const int64_t nb = n / kRatio;
@@ -784,20 +794,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       return __any_sync(0xffffffffu, usable_page(ph.x) || usable_page(ph.y));
     }
   };
-  // NOTES (v7j, v7t): with 16-byte loads, two chunks are in flight per group: the next chunk's
-  // key loads go out before this chunk's mma. The loop is unrolled by two with the buffers'
-  // roles swapped (x, y), because a loop-carried copy of the next chunk's registers made the
-  // copy wait for its loads before the chunk after it could be issued (ncu, R = 256: half of
-  // the warp samples there), i.e. one chunk in flight during every wait. The page-table
-  // entries are loaded four chunks ahead. The 2-byte path keeps one chunk (its loads need
-  // twice the registers).
+  // NOTES (v7j, v7t, v31): with 16-byte loads, kDepth chunks are in flight per warp: the key
+  // loads of the chunk kDepth - 1 ahead go out before this chunk's mma. The loop is unrolled
+  // by kDepth with the buffers' roles rotated, because a loop-carried copy of the next chunk's
+  // registers made the copy wait for its loads before the chunk after it could be issued
+  // (ncu, R = 256: half of the warp samples there), i.e. one chunk in flight during every
+  // wait. The page-table entries are loaded 2 kDepth chunks ahead.
   constexpr bool kPipe = true;  // keys are 16-byte aligned (contract v2)
-  uint4 xa[kLoads], xb[kLoads], ya[kLoads], yb[kLoads];
+  uint4 bufa[kDepth][kLoads], bufb[kDepth][kLoads];
   uint32_t kmax = 0;  // the largest key this thread stored
-  // Chunk j0 on page ph from (ca, cb); the next chunk (page ph_next) issued into (na, nb4).
+  // Chunk j0 on page ph from (ca, cb); chunk j0 + (kDepth - 1) * stride (page ph_next) issued
+  // into (na, nb4).
   auto score_step = [&](int64_t j0, int2 ph, int2 ph_next, uint4(&ca)[kLoads],
                         uint4(&cb)[kLoads], uint4(&na)[kLoads], uint4(&nb4)[kLoads]) {
-    const int64_t j1 = j0 + stride;
+    const int64_t j1 = j0 + (kDepth - 1) * stride;
     if (kPipe && j1 < nbv && usable_chunk(ph_next)) issue(j1, ph_next, na, nb4);
     if (!usable_chunk(ph)) {
       // Never read: an unusable block gets key 0 and can never be chosen.
@@ -852,16 +862,29 @@ __global__ void __launch_bounds__(kThreads, 1)
       return int2{lookup(j + g, nbv, true), lookup(j + g + 8, nbv, true)};
     }
   };
-  if (kPipe && wfirst < nbv && usable_chunk(ph0)) issue(wfirst, ph0, xa, xb);
-  for (int64_t j0 = wfirst; j0 < nbv; j0 += 2 * stride) {
-    const int2 ph4 = page_ahead(j0 + 4 * stride), ph5 = page_ahead(j0 + 5 * stride);
-    score_step(j0, ph0, ph1, xa, xb, ya, yb);
-    if (j0 + stride >= nbv) break;
-    score_step(j0 + stride, ph1, ph2, ya, yb, xa, xb);
-    ph0 = ph2;
-    ph1 = ph3;
-    ph2 = ph4;
-    ph3 = ph5;
+  // Chunk k of a round of kDepth (j0 + k * stride) is scored from buffer k while chunk
+  // k + kDepth - 1 goes out into buffer (k + kDepth - 1) % kDepth; pages are loaded
+  // 2 kDepth chunks ahead (ph[i]: chunk j0 + i * stride).
+#pragma unroll
+  for (int k = 0; k + 1 < kDepth; ++k) {
+    const int64_t j = wfirst + k * stride;
+    if (kPipe && j < nbv && usable_chunk(ph[k])) issue(j, ph[k], bufa[k], bufb[k]);
+  }
+  for (int64_t j0 = wfirst; j0 < nbv; j0 += kDepth * stride) {
+    int2 ahead[kDepth];
+#pragma unroll
+    for (int k = 0; k < kDepth; ++k) ahead[k] = page_ahead(j0 + (2 * kDepth + k) * stride);
+#pragma unroll
+    for (int k = 0; k < kDepth; ++k) {
+      if (k > 0 && j0 + k * stride >= nbv) break;
+      score_step(j0 + k * stride, ph[k], ph[k + kDepth - 1], bufa[k], bufb[k],
+                 bufa[(k + kDepth - 1) % kDepth], bufb[(k + kDepth - 1) % kDepth]);
+    }
+#pragma unroll
+    for (int k = 0; k < kDepth; ++k) {
+      ph[k] = ph[k + kDepth];
+      ph[k + kDepth] = ahead[k];
+    }
   }
 
   if constexpr (!kStreamed) {

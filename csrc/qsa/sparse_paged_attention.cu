@@ -33,9 +33,15 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "common.cuh"
 #include "qsa.h"
+
+// The float8 K/V loop on tensor cores (v31); 0 builds the per-lane loop for every dtype.
+#ifndef QSA_ATTN_MMA
+#define QSA_ATTN_MMA 1
+#endif
 
 namespace qsa {
 // NOTES: a named namespace, not an anonymous one: nvcc names anonymous-namespace kernels
@@ -46,6 +52,7 @@ namespace attention_impl {
 namespace cg = cooperative_groups;
 using detail::atomic_add_acq_rel_gpu;
 using detail::Elem;
+using detail::fp8x2_to_half2;
 using detail::ldg32_pred;
 
 constexpr int kHeads = QSA_ATTN_HEADS;     // 3
@@ -220,13 +227,63 @@ __device__ __forceinline__ void publish_warp(const float (&acc)[kHeads][8],
   }
 }
 
+// ---- The float8 K/V loop on tensor cores (v31) ------------------------------------------
+// NOTES (v31): with float8 K/V the per-lane loop above is instruction-bound (every element
+// widened to float and multiplied by 3 heads on the FMA pipe: 68 % of the memory floor at
+// R = 256, H100). The float8 path runs both products on mma.sync m16n8k16 (f16 in, f32
+// accumulate), tokens as the M dimension (3 of the 8 N columns are heads, so 3/8 of the
+// tensor work is used: still ~5 % of the memory time). K and V are widened exactly
+// (cvt.rn.f16x2.e4m3x2); q is float16 as given, or (bfloat16) scaled per head by a power of
+// two into [2^14, 2^15) and rounded to float16 (exact for every element >= amax * 2^-28: a
+// bfloat16 has 8 significant bits, a float16 11), the power undone in the softmax scale.
+// A warp takes 16 tokens per tile. Lane (g, c) = (lane / 4, lane % 4):
+//  * QK^T: A = K rows (tokens g, g + 8), 64 dims per lane as 4 x 16 bytes at byte offsets
+//    (4 i + c) * 16 (a token's 256 bytes in 4 loads of 4 lanes); B = q of head g at the same
+//    dims (registers, loaded once). S: lane holds tokens g, g + 8 x heads 2c, 2c + 1.
+//  * PV: O^T = V^T P^T, M = dims, K = tokens: lane reads tokens c, c + 8, c + 4, c + 12
+//    (k = 2c, 2c + 1, 2c + 8, 2c + 9), dims (8 h + g) * 16 .. + 16 for h = 0, 1 (a token's
+//    256 bytes in 2 loads of 8 lanes); two tokens' bytes of one dim are paired by prmt, then
+//    widened. P^T comes from S by four shuffles (f16 pairs); acc: 16 m-tiles x 4 floats.
+//  * Online softmax per head over the tile (max over the 8 lane groups by 3 shuffles), the
+//    rescale of acc skipped when no head's max moved (warp vote).
+// K of the next tile is issued after this tile's QK^T, V after its PV.
+template <typename KT>
+constexpr bool mma_path() {
+#if QSA_ATTN_MMA
+  return Elem<KT>::kBytes == 1;
+#else
+  return false;
+#endif
+}
+
+__device__ __forceinline__ void mma_f16_16816(float (&d)[4], uint32_t a0, uint32_t a1,
+                                              uint32_t a2, uint32_t a3, uint32_t b0,
+                                              uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int w) {
+  return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
+}
+
 struct AttnShared {
   TokenRef slots[kSlotCap];            // resolved cache slots (physical page, slot)
   int warp_count[kWarps];
   float acc[kWarps][kOut];             // per-warp unnormalised outputs
   float m[kWarps][kHeads];
   float l[kWarps][kHeads];
-  float cta_acc[kOut];                 // this CTA's partial, read by its cluster (DSMEM)
+  union alignas(16) {
+    float cta_acc[kOut];               // this CTA's partial, read by its cluster (DSMEM)
+    uint16_t qh[kHeads][kHeadDim];     // float8 path: q as float16, read before the merge
+  };
   float cta_m[kHeads];
   float cta_l[kHeads];
   int is_last;
@@ -247,7 +304,7 @@ __device__ __forceinline__ void cluster_wait_acquire() {
 // kFlat: K and V have the same strides and every K byte offset / 16 fits 32 bits: the
 // resolve phase stores each token's 16-byte offset (one word) and V is K + vdelta bytes.
 template <typename QT, typename KT, bool kDeep, bool kFlat = false>
-__global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
+__global__ void __launch_bounds__(kThreads, kDeep || mma_path<KT>() ? 1 : 2)
     attention_kernel(AttentionParams p, PageDiv pdiv, int splits, int csize,
                      float* __restrict__ parts) {
   constexpr int kTokensPerWarp = tokens_per_warp<KT>();
@@ -330,6 +387,38 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
       }
     }
   }
+  // The float8 path's q, as float16 scaled per head (bfloat16: a power of two that brings the
+  // head's largest |q| into [2^14, 2^15); float16: as given), for the tensor-core B operand.
+  float q_unscale[kHeads];
+  if constexpr (mma_path<KT>()) {
+    float qs[kHeads][8];
+    q_to_float<QT>(qraw, qs);
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) {
+      int e = 0;
+      if constexpr (Elem<QT>::kBytes == 2 && !std::is_same_v<QT, __half>) {
+        float amax = 0.f;
+#pragma unroll
+        for (int d = 0; d < 8; ++d) amax = fmaxf(amax, fabsf(qs[h][d]));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        if (amax > 0.f && amax <= 3.0e38f) {
+          int ex = 0;
+          (void)frexpf(amax, &ex);  // amax in [2^(ex-1), 2^ex)
+          e = min(max(15 - ex, -100), 100);
+        }
+      }
+      q_unscale[h] = ldexpf(1.f, -e);
+      if (warp == 0) {
+        uint32_t w[4];
+#pragma unroll
+        for (int d = 0; d < 8; d += 2) {
+          w[d / 2] = pack_half2(ldexpf(qs[h][d], e), ldexpf(qs[h][d + 1], e));
+        }
+        *reinterpret_cast<uint4*>(&sh.qh[h][lane * 8]) = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    }
+  }
   if (lane == 0) sh.warp_count[warp] = count;
   __syncthreads();
   int base[kWarps + 1];  // exclusive prefix of the warp counts, in registers
@@ -355,6 +444,167 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
     return reinterpret_cast<const uint32_t*>(sh.slots)[g + shift];
   };
 
+  if constexpr (mma_path<KT>()) {
+    // ---- float8 K/V on tensor cores: warp w takes tiles of 16 tokens w*16 + it*128 -------
+    constexpr int kTile = 16;
+    constexpr int kStep = kWarps * kTile;
+    const int g = lane >> 2, c = lane & 3;
+    const float base_scale = p.softmax_scale * p.k_scale * kLog2e;
+    // this lane's two heads (2c, 2c + 1; heads >= 3 unused) and their score scales
+    const float scl_e = c == 0 ? base_scale * q_unscale[0] : base_scale * q_unscale[2];
+    const float scl_o = base_scale * q_unscale[1];
+    // B operand of QK^T: q of head g at this lane's dims (4 i + c) * 16 + 4 w + {0..3}
+    uint32_t qb[16][2];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int dim = (4 * (j / 4) + c) * 16 + 4 * (j % 4);
+      const uint2 v = g < kHeads ? *reinterpret_cast<const uint2*>(&sh.qh[g < kHeads ? g : 0][dim])
+                                 : make_uint2(0u, 0u);
+      qb[j][0] = v.x;
+      qb[j][1] = v.y;
+    }
+    float acc[16][4];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    float m_e = -INFINITY, m_o = -INFINITY, l_e = 0.f, l_o = 0.f;
+    const char* kb = static_cast<const char*>(p.k_cache);
+    const char* vb = static_cast<const char*>(p.v_cache);
+    // Byte offsets of tile token `lane` (lanes < 16), for the shuffles below.
+    auto offsets = [&](int g0, int64_t& ko, int64_t& vo) {
+      const TokenRef ref = lane < kTile && g0 + lane < total ? slot_of(g0 + lane) : TokenRef{0, 0};
+      ko = int64_t(ref.page) * p.k_page_stride + int64_t(ref.slot) * p.k_token_stride;
+      vo = int64_t(ref.page) * p.v_page_stride + int64_t(ref.slot) * p.v_token_stride;
+    };
+    auto shfl64 = [](int64_t v, int src) {
+      const uint32_t lo = __shfl_sync(0xffffffffu, static_cast<uint32_t>(v), src);
+      const uint32_t hi = __shfl_sync(0xffffffffu, static_cast<uint32_t>(uint64_t(v) >> 32), src);
+      return static_cast<int64_t>((uint64_t(hi) << 32) | lo);
+    };
+    auto issue_k = [&](int g0, int64_t ko, uint4 (&kr)[8]) {
+      const int64_t a = shfl64(ko, g), b = shfl64(ko, g + 8);
+      const bool pa = g0 + g < total, pb = g0 + g + 8 < total;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        kr[i] = detail::ldg16_pred(kb + a + (4 * i + c) * 16, pa);
+        kr[4 + i] = detail::ldg16_pred(kb + b + (4 * i + c) * 16, pb);
+      }
+    };
+    // tokens c, c + 8, c + 4, c + 12 (k = 2c, 2c + 1, 2c + 8, 2c + 9 of the PV product)
+    auto issue_v = [&](int g0, int64_t vo, uint4 (&vr)[8]) {
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const int tt = c + (t == 1 ? 8 : t == 2 ? 4 : t == 3 ? 12 : 0);
+        const int64_t a = shfl64(vo, tt);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          vr[2 * t + h] = detail::ldg16_pred(vb + a + (8 * h + g) * 16, g0 + tt < total);
+        }
+      }
+    };
+    uint4 kr[8], vr[8];
+    int g0 = warp * kTile;
+    if (g0 < total) {
+      int64_t ko, vo;
+      offsets(g0, ko, vo);
+      issue_k(g0, ko, kr);
+      issue_v(g0, vo, vr);
+    }
+    for (; g0 < total; g0 += kStep) {
+      const int gn = g0 + kStep;
+      int64_t kon = 0, von = 0;
+      if (gn < total) offsets(gn, kon, von);
+      // S = K q^T: tokens g, g + 8 x heads 2c, 2c + 1
+      float sc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const uint32_t ka = word_of(kr[j / 4], j % 4), kb2 = word_of(kr[4 + j / 4], j % 4);
+        mma_f16_16816(sc, fp8x2_to_half2(ka), fp8x2_to_half2(kb2), fp8x2_to_half2(ka >> 16),
+                      fp8x2_to_half2(kb2 >> 16), qb[j][0], qb[j][1]);
+      }
+      if (gn < total) issue_k(gn, kon, kr);
+      const bool va = g0 + g < total, vb8 = g0 + g + 8 < total;
+      const float s0 = va ? sc[0] * scl_e : -INFINITY, s1 = va ? sc[1] * scl_o : -INFINITY;
+      const float s2 = vb8 ? sc[2] * scl_e : -INFINITY, s3 = vb8 ? sc[3] * scl_o : -INFINITY;
+      float mx_e = fmaxf(s0, s2), mx_o = fmaxf(s1, s3);
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) {
+        mx_e = fmaxf(mx_e, __shfl_xor_sync(0xffffffffu, mx_e, o));
+        mx_o = fmaxf(mx_o, __shfl_xor_sync(0xffffffffu, mx_o, o));
+      }
+      const float mn_e = fmaxf(m_e, mx_e), mn_o = fmaxf(m_o, mx_o);
+      const float al_e = exp2f(m_e - mn_e), al_o = exp2f(m_o - mn_o);  // m = -inf: 0
+      m_e = mn_e;
+      m_o = mn_o;
+      const float p0 = exp2f(s0 - mn_e), p1 = exp2f(s1 - mn_o);
+      const float p2 = exp2f(s2 - mn_e), p3 = exp2f(s3 - mn_o);
+      l_e = l_e * al_e + (p0 + p2);
+      l_o = l_o * al_o + (p1 + p3);
+      if (__any_sync(0xffffffffu, al_e != 1.f || al_o != 1.f)) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          acc[i][0] *= al_e;
+          acc[i][1] *= al_o;
+          acc[i][2] *= al_e;
+          acc[i][3] *= al_o;
+        }
+      }
+      // P^T as the B operand: (P[head g][token c], P[g][c + 8]) and (P[g][c + 4], P[g][c + 12]),
+      // held by lanes 4 c + g / 2 and 4 (c + 4) + g / 2 (S rows c, c + 8 / c + 4, c + 12).
+      const uint32_t pe = pack_half2(p0, p2), po = pack_half2(p1, p3);
+      const int src_a = 4 * c + (g >> 1), src_b = 4 * (c + 4) + (g >> 1);
+      const uint32_t xa = __shfl_sync(0xffffffffu, pe, src_a);
+      const uint32_t xo = __shfl_sync(0xffffffffu, po, src_a);
+      const uint32_t ya = __shfl_sync(0xffffffffu, pe, src_b);
+      const uint32_t yo = __shfl_sync(0xffffffffu, po, src_b);
+      const uint32_t pb0 = g < kHeads ? ((g & 1) ? xo : xa) : 0u;
+      const uint32_t pb1 = g < kHeads ? ((g & 1) ? yo : ya) : 0u;
+      // O^T += V^T P^T: m-tile i covers dims (8 (i / 8) + g) * 16 + 4 ((i % 8) / 2) + 2 (i % 2)
+      // (row g) and + 1 (row g + 8)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const uint32_t x0 = word_of(vr[h], w), x1 = word_of(vr[2 + h], w);
+          const uint32_t x2 = word_of(vr[4 + h], w), x3 = word_of(vr[6 + h], w);
+          const uint32_t lo01 = __byte_perm(x0, x1, 0x5140), hi01 = __byte_perm(x0, x1, 0x7362);
+          const uint32_t lo23 = __byte_perm(x2, x3, 0x5140), hi23 = __byte_perm(x2, x3, 0x7362);
+          const int i = h * 8 + w * 2;
+          mma_f16_16816(acc[i], fp8x2_to_half2(lo01), fp8x2_to_half2(lo01 >> 16),
+                        fp8x2_to_half2(lo23), fp8x2_to_half2(lo23 >> 16), pb0, pb1);
+          mma_f16_16816(acc[i + 1], fp8x2_to_half2(hi01), fp8x2_to_half2(hi01 >> 16),
+                        fp8x2_to_half2(hi23), fp8x2_to_half2(hi23 >> 16), pb0, pb1);
+        }
+      }
+      if (gn < total) issue_v(gn, von, vr);
+    }
+    // ---- Merge the warps of this CTA (fixed order) ---------------------------------------
+    detail::allow_dependents();  // every K/V line read: the next kernel may take the SMs left
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      l_e += __shfl_xor_sync(0xffffffffu, l_e, o);
+      l_o += __shfl_xor_sync(0xffffffffu, l_o, o);
+    }
+    if (c < 2) {
+      float* acc_row = sh.acc[warp];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int dim = (8 * (i / 8) + g) * 16 + 4 * ((i % 8) / 2) + 2 * (i % 2);
+        *reinterpret_cast<float2*>(&acc_row[(2 * c) * kHeadDim + dim]) =
+            make_float2(acc[i][0], acc[i][2]);
+        if (c == 0) {
+          *reinterpret_cast<float2*>(&acc_row[kHeadDim + dim]) = make_float2(acc[i][1], acc[i][3]);
+        }
+      }
+      if (g == 0) {
+        sh.m[warp][2 * c] = m_e;
+        sh.l[warp][2 * c] = l_e;
+        if (c == 0) {
+          sh.m[warp][1] = m_o;
+          sh.l[warp][1] = l_o;
+        }
+      }
+    }
+  } else {
   // ---- Online softmax: warp w takes tokens it*40 + w*5 + t --------------------------------
   // Lane covers dims [8 lane, 8 lane + 8) of every head.
   float qf[kHeads][8];
@@ -493,6 +743,7 @@ __global__ void __launch_bounds__(kThreads, kDeep ? 1 : 2)
   // ---- Merge the warps of this CTA (fixed order) -----------------------------------------
   detail::allow_dependents();  // every K/V line read: the next kernel may take the SMs left
   publish_warp(acc, m, l, sh.acc[warp], sh.m[warp], sh.l[warp], lane);
+  }
   __syncthreads();
   // Thread tid owns outputs o = tid + k*256 (k = head): head k, dim tid.
   float cta_m[kHeads], cta_l[kHeads], cta_acc[kHeads];
