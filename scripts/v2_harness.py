@@ -614,7 +614,9 @@ def att_floor_us(R, kv_dtype, bw):
     return nbytes / bw * 1e6
 
 
-def time_all(new: Lib, old: Lib, up, results: list, rows_att, rows_sel, budget_s, alt=None):
+def time_all(
+    new: Lib, old: Lib, up, results: list, rows_att, rows_sel, budget_s, alt=None, only=None
+):
     t_start = time.time()
     gen = torch.Generator(device="cuda")
     gen.manual_seed(1234)
@@ -649,6 +651,8 @@ def time_all(new: Lib, old: Lib, up, results: list, rows_att, rows_sel, budget_s
     for R in rows_att:
         n = max(2, min(256, (256 << 20) // (R * W * 1024)))  # calls per graph
         for pname, pool in pools.items():
+            if only and not any(o in pname for o in only):
+                continue
             vllm = pname.startswith("vllm")
             for gate in (
                 (False, True)
@@ -734,6 +738,8 @@ def time_all(new: Lib, old: Lib, up, results: list, rows_att, rows_sel, budget_s
         spools[pname] = (dt, Cp, owner, ck, P)
     for R, ctx in sel_cases:
         for pname, (dt, Cp, _owner, ck, P) in spools.items():
+            if only and not any(o in pname for o in only):
+                continue
             M = (ctx // 4 + Cp - 1) // Cp
             per_call = R * M * Cp * ID * (1 if dt == FP8 else 2)
             n = max(2, min(256, (256 << 20) // per_call))
@@ -817,6 +823,7 @@ def main():
     ap.add_argument("--rows-att", default="1,8,64,256")
     ap.add_argument("--rows-sel", default="1,8,64,256")
     ap.add_argument("--budget", type=float, default=300)
+    ap.add_argument("--only", default="", help="comma list: time the pools whose name has one")
     args = ap.parse_args()
     new = Lib(ROOT / ".harness/libqsa_new.so", True)
     old = Lib(ROOT / ".harness/libqsa_old.so", False)
@@ -856,7 +863,10 @@ def main():
             print("upstream not loaded:", exc, flush=True)
         rows_att = [int(x) for x in args.rows_att.split(",") if x]
         rows_sel = [int(x) for x in args.rows_sel.split(",") if x]
-        time_all(new, old, up, res["timing"], rows_att, rows_sel, args.budget, alt)
+        time_all(
+            new, old, up, res["timing"], rows_att, rows_sel, args.budget, alt,
+            [o for o in args.only.split(",") if o],
+        )
     (out / "v2_harness.json").write_text(json.dumps(res, indent=1))
     return 1 if fails else 0
 
