@@ -3,6 +3,10 @@
 #   .harness/libqsa_new.so   this tree's csrc/qsa kernels
 #   .harness/libqsa_old.so   the kernels of BASE (default: the last commit before contract v2's
 #                            kernels, given as $1), with the seed's interface
+#   .harness/libqsa_alt_NAME.so  this tree built with extra flags, one per QSA_ALT entry
+#                            "NAME=FLAGS;NAME=FLAGS" (default: the per-lane float8 attention and
+#                            two float8 key chunks, i.e. v30: d2=-DQSA_ATTN_MMA=0
+#                            -DQSA_SELECT_FP8_DEPTH=2), timed beside it
 # Flags: the cuda-sm90 target's (build_targets.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,10 +20,19 @@ for f in common.cuh qsa.h contract.h select_paged_tokens.cu sparse_paged_attenti
 done
 nvcc "${flags[@]}" -Icsrc/qsa -DQSA_SHIM_V2 scripts/v2_shim.cu csrc/qsa/select_paged_tokens.cu \
   csrc/qsa/sparse_paged_attention.cu -o "$out/libqsa_new.so" &
+pids=($!)
 nvcc "${flags[@]}" -I"$out/old" scripts/v2_shim.cu "$out/old/select_paged_tokens.cu" \
   "$out/old/sparse_paged_attention.cu" -o "$out/libqsa_old.so" &
-# a candidate variant of this tree (a macro of csrc/qsa), timed beside it (QSA_ALT_FLAGS)
-nvcc "${flags[@]}" -Icsrc/qsa -DQSA_SHIM_V2 ${QSA_ALT_FLAGS:--DQSA_ATTN_FLAT=1} scripts/v2_shim.cu \
-  csrc/qsa/select_paged_tokens.cu csrc/qsa/sparse_paged_attention.cu -o "$out/libqsa_alt.so" &
-wait %1 && wait %2 && wait %3
+pids+=($!)
+rm -f "$out"/libqsa_alt*.so
+IFS=';' read -ra alts <<< "${QSA_ALT:-d2=-DQSA_ATTN_MMA=0 -DQSA_SELECT_FP8_DEPTH=2}"
+for entry in "${alts[@]}"; do
+  [[ -n "$entry" ]] || continue
+  # shellcheck disable=SC2086
+  nvcc "${flags[@]}" -Icsrc/qsa -DQSA_SHIM_V2 ${entry#*=} scripts/v2_shim.cu \
+    csrc/qsa/select_paged_tokens.cu csrc/qsa/sparse_paged_attention.cu \
+    -o "$out/libqsa_alt_${entry%%=*}.so" &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid"; done  # a failed build fails the script
 ls -la "$out"/*.so

@@ -3,8 +3,12 @@ this tree (.harness/libqsa_new.so) beside the seed's (.harness/libqsa_old.so) an
 vLLM 0.32.0's Triton kernels, through scripts/v2_shim.cu (ctypes, no op layer), on identical
 tensors in vLLM's layouts.
 
-    bash scripts/build_v2_harness.sh BASE          # CPU machine
-    PYTHONUNBUFFERED=1 python3 scripts/v2_harness.py [--check] [--time] --out DIR
+    bash scripts/build_v2_harness.sh BASE          # CPU machine (QSA_ALT: variants)
+    PYTHONUNBUFFERED=1 python3 scripts/v2_harness.py [--check] [--time] [--only fp8] --out DIR
+    ncu -k regex:attention_kernel -s 2 -c 1 python3 scripts/v2_harness.py --once vllm_fp8_784:256
+
+The variants .harness/libqsa_alt_NAME.so are timed beside the new build (the first is also
+checked bit for bit against it: expected to differ where its arithmetic does).
 
 Checks: attention against a float64 reference (||out - ref|| / ||ref|| < 2e-3; fp8 against the
 dequantised reference), poisoned outputs, holes, duplicates and bad values; selection bit-exact
@@ -824,6 +828,13 @@ def main():
     ap.add_argument("--rows-sel", default="1,8,64,256")
     ap.add_argument("--budget", type=float, default=300)
     ap.add_argument("--only", default="", help="comma list: time the pools whose name has one")
+    ap.add_argument(
+        "--once",
+        default="",
+        metavar="LAYOUT:R",
+        help="one attention case of ATT_LAYOUTS on a 512K-token pool, three calls of the new "
+        "build (under a profiler: ncu -k regex:attention_kernel -s 2 -c 1)",
+    )
     args = ap.parse_args()
     new = Lib(ROOT / ".harness/libqsa_new.so", True)
     old = Lib(ROOT / ".harness/libqsa_old.so", False)
@@ -832,6 +843,20 @@ def main():
         f.stem.removeprefix("libqsa_"): Lib(f, True)
         for f in sorted((ROOT / ".harness").glob("libqsa_alt*.so"))
     }
+    if args.once:
+        name, rows = args.once.split(":")
+        dt, kdt, ps, packed, layers, ist, tpad, gate = ATT_LAYOUTS[name]
+        gen = torch.Generator(device="cuda")
+        gen.manual_seed(1)
+        a = attention_case(
+            int(rows), dt, kdt, ps, packed, layers, ist, tpad, gate, gen, ctx=1 << 19,
+            holes=False, bad=False,
+        )  # fmt: skip
+        new.reserve_attention(int(rows))
+        for _ in range(3):
+            new.attention(a)
+        torch.cuda.synchronize()
+        return 0
     out = Path(args.out)
     res = {
         "device": torch.cuda.get_device_name(),
@@ -864,7 +889,14 @@ def main():
         rows_att = [int(x) for x in args.rows_att.split(",") if x]
         rows_sel = [int(x) for x in args.rows_sel.split(",") if x]
         time_all(
-            new, old, up, res["timing"], rows_att, rows_sel, args.budget, alt,
+            new,
+            old,
+            up,
+            res["timing"],
+            rows_att,
+            rows_sel,
+            args.budget,
+            alt,
             [o for o in args.only.split(",") if o],
         )
     (out / "v2_harness.json").write_text(json.dumps(res, indent=1))
