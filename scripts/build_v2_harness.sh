@@ -6,7 +6,8 @@
 #   .harness/libqsa_alt_NAME.so  this tree built with extra flags, one per QSA_ALT entry
 #                            "NAME=FLAGS;NAME=FLAGS" (default: the per-lane float8 attention and
 #                            two float8 key chunks, i.e. v30: d2=-DQSA_ATTN_MMA=0
-#                            -DQSA_SELECT_FP8_DEPTH=2), timed beside it
+#                            -DQSA_SELECT_FP8_DEPTH=2), timed beside it; "NAME=@REF FLAGS"
+#                            builds the kernels of git ref REF instead of this tree's
 # Flags: the cuda-sm90 target's (build_targets.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,10 +29,19 @@ rm -f "$out"/libqsa_alt*.so
 IFS=';' read -ra alts <<< "${QSA_ALT:-d2=-DQSA_ATTN_MMA=0 -DQSA_SELECT_FP8_DEPTH=2}"
 for entry in "${alts[@]}"; do
   [[ -n "$entry" ]] || continue
+  name=${entry%%=*} extra=${entry#*=} src=csrc/qsa
+  if [[ $extra == @* ]]; then  # @REF [FLAGS]: the kernels of git ref REF (e.g. a candidate branch)
+    ref=${extra%% *} src="$out/src_$name"
+    [[ $extra == *" "* ]] && extra=${extra#* } || extra=""
+    mkdir -p "$src"
+    for f in common.cuh qsa.h contract.h select_paged_tokens.cu sparse_paged_attention.cu; do
+      git show "${ref#@}:csrc/qsa/$f" > "$src/$f"
+    done
+  fi
   # shellcheck disable=SC2086
-  nvcc "${flags[@]}" -Icsrc/qsa -DQSA_SHIM_V2 ${entry#*=} scripts/v2_shim.cu \
-    csrc/qsa/select_paged_tokens.cu csrc/qsa/sparse_paged_attention.cu \
-    -o "$out/libqsa_alt_${entry%%=*}.so" &
+  nvcc "${flags[@]}" -I"$src" -DQSA_SHIM_V2 $extra scripts/v2_shim.cu \
+    "$src/select_paged_tokens.cu" "$src/sparse_paged_attention.cu" \
+    -o "$out/libqsa_alt_${name}.so" &
   pids+=($!)
 done
 for pid in "${pids[@]}"; do wait "$pid"; done  # a failed build fails the script
