@@ -835,6 +835,7 @@ def main():
         help="one attention case of ATT_LAYOUTS on a 512K-token pool, three calls of the new "
         "build (under a profiler: ncu -k regex:attention_kernel -s 2 -c 1)",
     )
+    ap.add_argument("--once-lib", default="new", help="--once's build: new, old or alt_NAME")
     args = ap.parse_args()
     new = Lib(ROOT / ".harness/libqsa_new.so", True)
     old = Lib(ROOT / ".harness/libqsa_old.so", False)
@@ -852,9 +853,10 @@ def main():
             int(rows), dt, kdt, ps, packed, layers, ist, tpad, gate, gen, ctx=1 << 19,
             holes=False, bad=False,
         )  # fmt: skip
-        new.reserve_attention(int(rows))
+        lib = {"new": new, "old": old, **alt}[args.once_lib]
+        lib.reserve_attention(int(rows))
         for _ in range(3):
-            new.attention(a)
+            lib.attention(a)
         torch.cuda.synchronize()
         return 0
     out = Path(args.out)
