@@ -36,7 +36,8 @@
 #include "common.cuh"
 #include "qsa.h"
 
-// Key chunks in flight per warp with float8 keys (v31; 2 before).
+// Key chunks in flight per warp with float8 keys and one page per chunk (v31; 2 before; one
+// less where each lane looks up its own pages).
 #ifndef QSA_SELECT_FP8_DEPTH
 #define QSA_SELECT_FP8_DEPTH 4
 #endif
@@ -738,8 +739,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   // NOTES (v31): chunks in flight per warp. float8 keys: a chunk's loads are half the bytes
   // of a 2-byte chunk's, so four chunks (the same registers and bytes per lane as two 2-byte
-  // chunks).
-  constexpr int kDepth = Elem<T>::kBytes == 1 ? QSA_SELECT_FP8_DEPTH : 2;
+  // chunks); three where each lane looks up its own pages (!kPageChunks), whose four-chunk
+  // build spilled 8-16 bytes (the GPU suite's spill check, H200 run of v31).
+  constexpr int kDepth =
+      Elem<T>::kBytes == 1 ? (kPageChunks ? QSA_SELECT_FP8_DEPTH : QSA_SELECT_FP8_DEPTH - 1) : 2;
   int2 ph[2 * kDepth];
 #pragma unroll
   for (int k = 0; k < 2 * kDepth; ++k) ph[k] = page_first(wfirst + k * stride);
