@@ -50,6 +50,8 @@ namespace select_impl {
 
 using detail::atomic_add_acq_rel_gpu;
 using detail::Elem;
+using detail::mma_16816;
+using detail::word;
 
 constexpr int kIndexHeads = QSA_INDEX_HEADS;    // 4
 constexpr int kIndexDim = QSA_INDEX_DIM;        // 128
@@ -184,23 +186,6 @@ struct SelectShared {
   int is_last;
 };
 
-// kBf16: bfloat16 inputs, else float16 (fp16 keys, and fp8 keys widened exactly to fp16).
-template <bool kBf16>
-__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint32_t b0, uint32_t b1) {
-  if constexpr (kBf16) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-}
-
 // Division by C (runtime): j / C = (j * mul) >> shift for 0 <= j < 2^31.
 struct KeyDiv {
   uint64_t mul;
@@ -263,10 +248,6 @@ __device__ __forceinline__ void widen(const uint4 (&raw)[key_loads<T>()], uint4 
       h[2 * s + 1] = detail::fp8x8_to_half8(make_uint2(raw[s].z, raw[s].w));
     }
   }
-}
-
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
 // Inclusive block scan of one non-negative int per thread (kThreads threads), with one barrier

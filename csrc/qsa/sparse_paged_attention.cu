@@ -54,6 +54,8 @@ using detail::atomic_add_acq_rel_gpu;
 using detail::Elem;
 using detail::fp8x2_to_half2;
 using detail::ldg32_pred;
+using detail::mma_16816;
+using detail::word;
 
 constexpr int kHeads = QSA_ATTN_HEADS;     // 3
 constexpr int kHeadDim = QSA_HEAD_DIM;     // 256
@@ -256,22 +258,9 @@ constexpr bool mma_path() {
 #endif
 }
 
-__device__ __forceinline__ void mma_f16_16816(float (&d)[4], uint32_t a0, uint32_t a1,
-                                              uint32_t a2, uint32_t a3, uint32_t b0,
-                                              uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
-}
-
-__device__ __forceinline__ uint32_t word_of(const uint4& v, int w) {
-  return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
 }
 
 struct AttnShared {
@@ -517,8 +506,8 @@ __global__ void __launch_bounds__(kThreads, kDeep || mma_path<KT>() ? 1 : 2)
       float sc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        const uint32_t ka = word_of(kr[j / 4], j % 4), kb2 = word_of(kr[4 + j / 4], j % 4);
-        mma_f16_16816(sc, fp8x2_to_half2(ka), fp8x2_to_half2(kb2), fp8x2_to_half2(ka >> 16),
+        const uint32_t ka = word(kr[j / 4], j % 4), kb2 = word(kr[4 + j / 4], j % 4);
+        mma_16816<false>(sc, fp8x2_to_half2(ka), fp8x2_to_half2(kb2), fp8x2_to_half2(ka >> 16),
                       fp8x2_to_half2(kb2 >> 16), qb[j][0], qb[j][1]);
       }
       if (gn < total) issue_k(gn, kon, kr);
@@ -564,14 +553,14 @@ __global__ void __launch_bounds__(kThreads, kDeep || mma_path<KT>() ? 1 : 2)
       for (int h = 0; h < 2; ++h) {
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
-          const uint32_t x0 = word_of(vr[h], w), x1 = word_of(vr[2 + h], w);
-          const uint32_t x2 = word_of(vr[4 + h], w), x3 = word_of(vr[6 + h], w);
+          const uint32_t x0 = word(vr[h], w), x1 = word(vr[2 + h], w);
+          const uint32_t x2 = word(vr[4 + h], w), x3 = word(vr[6 + h], w);
           const uint32_t lo01 = __byte_perm(x0, x1, 0x5140), hi01 = __byte_perm(x0, x1, 0x7362);
           const uint32_t lo23 = __byte_perm(x2, x3, 0x5140), hi23 = __byte_perm(x2, x3, 0x7362);
           const int i = h * 8 + w * 2;
-          mma_f16_16816(acc[i], fp8x2_to_half2(lo01), fp8x2_to_half2(lo01 >> 16),
+          mma_16816<false>(acc[i], fp8x2_to_half2(lo01), fp8x2_to_half2(lo01 >> 16),
                         fp8x2_to_half2(lo23), fp8x2_to_half2(lo23 >> 16), pb0, pb1);
-          mma_f16_16816(acc[i + 1], fp8x2_to_half2(hi01), fp8x2_to_half2(hi01 >> 16),
+          mma_16816<false>(acc[i + 1], fp8x2_to_half2(hi01), fp8x2_to_half2(hi01 >> 16),
                         fp8x2_to_half2(hi23), fp8x2_to_half2(hi23 >> 16), pb0, pb1);
         }
       }
