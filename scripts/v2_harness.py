@@ -846,6 +846,40 @@ def time_all(
             return
 
 
+ONCE_CALLS = 3
+
+
+def ab_report(log: Path):
+    """Median duration (us) of each --once case and build, from ncu's CSV in the same log."""
+    import csv
+
+    order, times = [], []
+    for line in log.read_text().splitlines():
+        if line.startswith("ONCE "):
+            _, case, lname, n = line.split()
+            order.append((case, lname, int(n)))
+        elif line.startswith('"') and "gpu__time_duration.sum" in line:
+            row = next(csv.reader([line]))
+            scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3}
+            times.append(float(row[-1].replace(",", "")) * scale[row[-2]])
+    calls = sum(n for _, _, n in order)
+    if calls != len(times):
+        print(f"ab-report: {calls} calls but {len(times)} kernels profiled (one per call?)")
+        return 1
+    k, table = 0, {}
+    for case, lname, n in order:
+        table.setdefault(case, {})[lname] = statistics.median(times[k : k + n])
+        k += n
+    for case, row in table.items():
+        ref = row.get("new")
+        cells = [
+            f"{ln} {t:7.2f}" + (f" ({t / ref:.3f})" if ref and ln != "new" else "")
+            for ln, t in row.items()
+        ]
+        print(f"{case:24s} " + "  ".join(cells))
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
@@ -858,13 +892,24 @@ def main():
     ap.add_argument(
         "--once",
         default="",
-        metavar="LAYOUT:R",
-        help="one attention case of ATT_LAYOUTS on a 512K-token pool, three calls of the new "
-        "build (under a profiler: ncu -k regex:attention_kernel -s 2 -c 1); sel:LAYOUT:R one "
-        "selection case of SEL_LAYOUTS (ncu -k regex:select_kernel -s 2 -c 1)",
+        metavar="CASES",
+        help="comma list of LAYOUT:R (attention, ATT_LAYOUTS, 512K-token pool) or sel:LAYOUT:R "
+        "(selection, SEL_LAYOUTS, 32K context, a request per row): ONCE_CALLS calls of each "
+        "--once-lib build, for a profiler (ncu -k regex:attention_kernel -s 2 -c 1)",
     )
-    ap.add_argument("--once-lib", default="new", help="--once's build: new, old or alt_NAME")
+    ap.add_argument(
+        "--once-lib", default="new", help="--once's builds: new, old or alt_NAME, comma list"
+    )
+    ap.add_argument(
+        "--ab-report",
+        default="",
+        metavar="LOG",
+        help="LOG: stdout of --once under ncu --csv --metrics gpu__time_duration.sum; prints "
+        "each case's median kernel time per build",
+    )
     args = ap.parse_args()
+    if args.ab_report:  # ncu --csv durations of a --once run, per case and build
+        return ab_report(Path(args.ab_report))
     new = Lib(ROOT / ".harness/libqsa_new.so", True)
     old = Lib(ROOT / ".harness/libqsa_old.so", False)
     # candidate variants of this tree (.harness/libqsa_alt*.so), timed beside it
@@ -872,34 +917,36 @@ def main():
         f.stem.removeprefix("libqsa_"): Lib(f, True)
         for f in sorted((ROOT / ".harness").glob("libqsa_alt*.so"))
     }
-    if args.once.startswith("sel:"):  # one selection case of SEL_LAYOUTS, 32K context
-        _, name, rows = args.once.split(":")
-        dt, Cp, layers, ost, tpad = SEL_LAYOUTS[name]
-        gen = torch.Generator(device="cuda")
-        gen.manual_seed(1)
-        R = int(rows)
-        a = select_case(R, dt, Cp, layers, ost, tpad, gen, ctx=32768, P=R * 50, bad=False,
-                        integer=False, B=R)  # fmt: skip
-        lib = {"new": new, "old": old, **alt}[args.once_lib]
-        lib.reserve_select(int(rows), a["table"].shape[1], Cp)
-        for _ in range(3):
-            lib.select(a)
-        torch.cuda.synchronize()
-        return 0
     if args.once:
-        name, rows = args.once.split(":")
-        dt, kdt, ps, packed, layers, ist, tpad, gate = ATT_LAYOUTS[name]
-        gen = torch.Generator(device="cuda")
-        gen.manual_seed(1)
-        a = attention_case(
-            int(rows), dt, kdt, ps, packed, layers, ist, tpad, gate, gen, ctx=1 << 19,
-            holes=False, bad=False,
-        )  # fmt: skip
-        lib = {"new": new, "old": old, **alt}[args.once_lib]
-        lib.reserve_attention(int(rows))
-        for _ in range(3):
-            lib.attention(a)
-        torch.cuda.synchronize()
+        libs = {"new": new, "old": old, **alt}
+        for case in args.once.split(","):
+            gen = torch.Generator(device="cuda")
+            gen.manual_seed(1)
+            if case.startswith("sel:"):  # a selection case of SEL_LAYOUTS, 32K context
+                _, name, rows = case.split(":")
+                dt, Cp, layers, ost, tpad = SEL_LAYOUTS[name]
+                R = int(rows)
+                a = select_case(R, dt, Cp, layers, ost, tpad, gen, ctx=32768, P=R * 50,
+                                bad=False, integer=False, B=R)  # fmt: skip
+            else:  # an attention case of ATT_LAYOUTS on a 512K-token pool
+                name, rows = case.split(":")
+                dt, kdt, ps, packed, layers, ist, tpad, gate = ATT_LAYOUTS[name]
+                R = int(rows)
+                a = attention_case(R, dt, kdt, ps, packed, layers, ist, tpad, gate, gen,
+                                   ctx=1 << 19, holes=False, bad=False)  # fmt: skip
+            for lname in args.once_lib.split(","):
+                lib = libs[lname]
+                if case.startswith("sel:"):
+                    lib.reserve_select(R, a["table"].shape[1], Cp)
+                    call = lib.select
+                else:
+                    lib.reserve_attention(R)
+                    call = lib.attention
+                for _ in range(ONCE_CALLS):
+                    call(a)
+                torch.cuda.synchronize()
+                print(f"ONCE {case} {lname} {ONCE_CALLS}", flush=True)
+            del a
         return 0
     out = Path(args.out)
     res = {
