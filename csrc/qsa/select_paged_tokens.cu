@@ -1206,7 +1206,12 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     // per SM). v7n: more rows than SMs take 4 CTAs per row (several waves, so that a row's
     // select overlaps the other SMs' scoring instead of every SM selecting at once at the
     // end of a wave).
-    const int64_t per_row = n > sms ? kWideCtas : std::max<int64_t>(1, sms / n);
+#ifdef QSA_SELECT_FP8_WIDE
+    const int64_t wide = p.dtype == DType::kFloat8E4M3 ? QSA_SELECT_FP8_WIDE : kWideCtas;
+#else
+    const int64_t wide = kWideCtas;
+#endif
+    const int64_t per_row = n > sms ? wide : std::max<int64_t>(1, sms / n);
     // v7w: a launch without streamed rows spreads a short row over up to one CTA per warp
     // chunk (16 blocks) instead of one per page.
     const int64_t ctas = std::min(
