@@ -490,15 +490,19 @@ __global__ void __launch_bounds__(kThreads, kDeep || mma_path<KT>() ? 1 : 2)
         }
       }
     };
-    uint4 kr[8], vr[8];
+    // v32 candidate: V of the next tile goes out with its K, right after this tile's QK^T (V
+    // double-buffered, the loop unrolled by two with the buffers' roles swapped, so that no
+    // register copy waits for a load): both of the next tile's loads have a whole tile of
+    // compute to arrive.
+    uint4 kr[8], v0[8], v1[8];
     int g0 = warp * kTile;
     if (g0 < total) {
       int64_t ko, vo;
       offsets(g0, ko, vo);
       issue_k(g0, ko, kr);
-      issue_v(g0, vo, vr);
+      issue_v(g0, vo, v0);
     }
-    for (; g0 < total; g0 += kStep) {
+    auto tile = [&](int g0, uint4 (&vr)[8], uint4 (&vn)[8]) {
       const int gn = g0 + kStep;
       int64_t kon = 0, von = 0;
       if (gn < total) offsets(gn, kon, von);
@@ -510,7 +514,10 @@ __global__ void __launch_bounds__(kThreads, kDeep || mma_path<KT>() ? 1 : 2)
         mma_16816<false>(sc, fp8x2_to_half2(ka), fp8x2_to_half2(kb2), fp8x2_to_half2(ka >> 16),
                       fp8x2_to_half2(kb2 >> 16), qb[j][0], qb[j][1]);
       }
-      if (gn < total) issue_k(gn, kon, kr);
+      if (gn < total) {
+        issue_k(gn, kon, kr);
+        issue_v(gn, von, vn);
+      }
       const bool va = g0 + g < total, vb8 = g0 + g + 8 < total;
       const float s0 = va ? sc[0] * scl_e : -INFINITY, s1 = va ? sc[1] * scl_o : -INFINITY;
       const float s2 = vb8 ? sc[2] * scl_e : -INFINITY, s3 = vb8 ? sc[3] * scl_o : -INFINITY;
@@ -564,7 +571,11 @@ __global__ void __launch_bounds__(kThreads, kDeep || mma_path<KT>() ? 1 : 2)
                         fp8x2_to_half2(hi23), fp8x2_to_half2(hi23 >> 16), pb0, pb1);
         }
       }
-      if (gn < total) issue_v(gn, von, vr);
+    };
+    for (; g0 < total; g0 += 2 * kStep) {
+      tile(g0, v0, v1);
+      if (g0 + kStep >= total) break;
+      tile(g0 + kStep, v1, v0);
     }
     // ---- Merge the warps of this CTA (fixed order) ---------------------------------------
     detail::allow_dependents();  // every K/V line read: the next kernel may take the SMs left
