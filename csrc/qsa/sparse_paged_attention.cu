@@ -42,10 +42,12 @@
 #ifndef QSA_ATTN_MMA
 #define QSA_ATTN_MMA 1
 #endif
-// One 32-bit offset per token where K and V share their strides (v32, 2-byte caches; ncu,
-// H100: R = 64 0.95x the time, R = 8 and 256 0.97-0.99x); 0 builds (page, slot) pairs only.
+// 1 builds one 32-bit offset per token where K and V share their strides (2-byte caches
+// measured faster: ncu, H100, R = 64 0.95x the time, R = 8 and 256 0.97-0.99x), but the wheel
+// with it stopped the GPU suite at test_attention_layouts[fp8_kv-5] (the float8 decode-size
+// kernel, flat: no result in 200 s; NOTES v32): off until that is understood.
 #ifndef QSA_ATTN_FLAT
-#define QSA_ATTN_FLAT 1
+#define QSA_ATTN_FLAT 0
 #endif
 
 namespace qsa {
