@@ -36,10 +36,10 @@
 #include "common.cuh"
 #include "qsa.h"
 
-// Key chunks in flight per warp with float8 keys and one page per chunk (v32: 3; v31: 4; 2
-// before; one less where each lane looks up its own pages).
+// Key chunks in flight per warp with float8 keys and one page per chunk (v31; 2 before; one
+// less where each lane looks up its own pages).
 #ifndef QSA_SELECT_FP8_DEPTH
-#define QSA_SELECT_FP8_DEPTH 3
+#define QSA_SELECT_FP8_DEPTH 4
 #endif
 
 namespace qsa {
@@ -101,7 +101,6 @@ constexpr int kRadixBins = 2048;               // generic path: 11-bit digits (1
 constexpr int kRadixUnroll = 4;
 constexpr int kStreamUnroll = 8;               // 16-byte key loads in flight per thread
 constexpr int kWideCtas = 4;                   // CTAs per row when rows outnumber the SMs
-constexpr int kWideCtasFp8 = 2;                // the same with float8 keys (v32)
 // NOTES (v7p): in a launch whose table can hold more than kTile blocks (a streamed row) and
 // whose grid is resident at once (cooperative, at most kDistRows rows), every CTA of a row
 // takes part in the select: once all have scored (the row's largest key known), each
@@ -719,10 +718,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       return int2{lookup(j + g, ncap, b_ok), lookup(j + g + 8, ncap, b_ok)};
     }
   };
-  // NOTES (v31, v32): chunks in flight per warp. float8 keys: a chunk's loads are half the
-  // bytes of a 2-byte chunk's; four chunks (v31) were 3-5 % slower than three (v32: ncu, H100,
-  // R = 8 / 64 / 256); one less where each lane looks up its own pages (!kPageChunks), whose
-  // four-chunk build spilled 8-16 bytes (the GPU suite's spill check, H200 run of v31).
+  // NOTES (v31): chunks in flight per warp. float8 keys: a chunk's loads are half the bytes
+  // of a 2-byte chunk's, so four chunks (the same registers and bytes per lane as two 2-byte
+  // chunks); three where each lane looks up its own pages (!kPageChunks), whose four-chunk
+  // build spilled 8-16 bytes (the GPU suite's spill check, H200 run of v31).
   constexpr int kDepth =
       Elem<T>::kBytes == 1 ? (kPageChunks ? QSA_SELECT_FP8_DEPTH : QSA_SELECT_FP8_DEPTH - 1) : 2;
   int2 ph[2 * kDepth];
@@ -1207,10 +1206,7 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     // per SM). v7n: more rows than SMs take 4 CTAs per row (several waves, so that a row's
     // select overlaps the other SMs' scoring instead of every SM selecting at once at the
     // end of a wave).
-    // v32: float8 keys are half the bytes per CTA, so two CTAs per row instead of four (ncu,
-    // H100, R = 256 at 32K: 2 CTAs 0.91x the time of 4, 8 CTAs 1.22x; bfloat16: 2 CTAs 0.99x).
-    const int64_t wide = p.dtype == DType::kFloat8E4M3 ? kWideCtasFp8 : kWideCtas;
-    const int64_t per_row = n > sms ? wide : std::max<int64_t>(1, sms / n);
+    const int64_t per_row = n > sms ? kWideCtas : std::max<int64_t>(1, sms / n);
     // v7w: a launch without streamed rows spreads a short row over up to one CTA per warp
     // chunk (16 blocks) instead of one per page.
     const int64_t ctas = std::min(

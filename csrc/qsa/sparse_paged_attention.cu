@@ -42,13 +42,6 @@
 #ifndef QSA_ATTN_MMA
 #define QSA_ATTN_MMA 1
 #endif
-// 1 builds one 32-bit offset per token where K and V share their strides (2-byte caches
-// measured faster: ncu, H100, R = 64 0.95x the time, R = 8 and 256 0.97-0.99x), but the wheel
-// with it stopped the GPU suite at test_attention_layouts[fp8_kv-5] (the float8 decode-size
-// kernel, flat: no result in 200 s; NOTES v32): off until that is understood.
-#ifndef QSA_ATTN_FLAT
-#define QSA_ATTN_FLAT 0
-#endif
 
 namespace qsa {
 // NOTES: a named namespace, not an anonymous one: nvcc names anonymous-namespace kernels
@@ -255,8 +248,7 @@ __device__ __forceinline__ void publish_warp(const float (&acc)[kHeads][8],
 //    widened. P^T comes from S by four shuffles (f16 pairs); acc: 16 m-tiles x 4 floats.
 //  * Online softmax per head over the tile (max over the 8 lane groups by 3 shuffles), the
 //    rescale of acc skipped when no head's max moved (warp vote).
-// K and V of the next tile are issued after this tile's QK^T (v32; V after the PV before:
-// ncu, H100, R = 256 0.97x the time, R = 8 and 64 unchanged), V double-buffered.
+// K of the next tile is issued after this tile's QK^T, V after its PV.
 template <typename KT>
 constexpr bool mma_path() {
 #if QSA_ATTN_MMA
@@ -498,19 +490,15 @@ __global__ void __launch_bounds__(kThreads, kDeep || mma_path<KT>() ? 1 : 2)
         }
       }
     };
-    // NOTES (v32): V of the next tile goes out with its K, right after this tile's QK^T (V
-    // double-buffered, the loop unrolled by two with the buffers' roles swapped, so that no
-    // register copy waits for a load): both of the next tile's loads have a whole tile of
-    // compute to arrive.
-    uint4 kr[8], v0[8], v1[8];
+    uint4 kr[8], vr[8];
     int g0 = warp * kTile;
     if (g0 < total) {
       int64_t ko, vo;
       offsets(g0, ko, vo);
       issue_k(g0, ko, kr);
-      issue_v(g0, vo, v0);
+      issue_v(g0, vo, vr);
     }
-    auto tile = [&](int g0, uint4 (&vr)[8], uint4 (&vn)[8]) {
+    for (; g0 < total; g0 += kStep) {
       const int gn = g0 + kStep;
       int64_t kon = 0, von = 0;
       if (gn < total) offsets(gn, kon, von);
@@ -522,10 +510,7 @@ __global__ void __launch_bounds__(kThreads, kDeep || mma_path<KT>() ? 1 : 2)
         mma_16816<false>(sc, fp8x2_to_half2(ka), fp8x2_to_half2(kb2), fp8x2_to_half2(ka >> 16),
                       fp8x2_to_half2(kb2 >> 16), qb[j][0], qb[j][1]);
       }
-      if (gn < total) {
-        issue_k(gn, kon, kr);
-        issue_v(gn, von, vn);
-      }
+      if (gn < total) issue_k(gn, kon, kr);
       const bool va = g0 + g < total, vb8 = g0 + g + 8 < total;
       const float s0 = va ? sc[0] * scl_e : -INFINITY, s1 = va ? sc[1] * scl_o : -INFINITY;
       const float s2 = vb8 ? sc[2] * scl_e : -INFINITY, s3 = vb8 ? sc[3] * scl_o : -INFINITY;
@@ -579,11 +564,7 @@ __global__ void __launch_bounds__(kThreads, kDeep || mma_path<KT>() ? 1 : 2)
                         fp8x2_to_half2(hi23), fp8x2_to_half2(hi23 >> 16), pb0, pb1);
         }
       }
-    };
-    for (; g0 < total; g0 += 2 * kStep) {
-      tile(g0, v0, v1);
-      if (g0 + kStep >= total) break;
-      tile(g0 + kStep, v1, v0);
+      if (gn < total) issue_v(gn, von, vr);
     }
     // ---- Merge the warps of this CTA (fixed order) ---------------------------------------
     detail::allow_dependents();  // every K/V line read: the next kernel may take the SMs left
@@ -1268,12 +1249,9 @@ cudaError_t launch_cluster(const cudaLaunchConfig_t& cfg, const AttentionParams&
     using QT = decltype(qt);
     using KT = decltype(kt);
 #if QSA_ATTN_FLAT
-    // the float8 tensor-core loop reads the slots as (page, slot): never flat
-    if constexpr (!mma_path<KT>()) {
-      if (flat_layout(p)) {
-        return cudaLaunchKernelEx(&cfg, attention_kernel<QT, KT, kDeep, true>, p, pdiv, splits,
-                                  csize, parts);
-      }
+    if (flat_layout(p)) {
+      return cudaLaunchKernelEx(&cfg, attention_kernel<QT, KT, kDeep, true>, p, pdiv, splits,
+                                csize, parts);
     }
 #endif
     return cudaLaunchKernelEx(&cfg, attention_kernel<QT, KT, kDeep>, p, pdiv, splits, csize,
