@@ -1249,9 +1249,12 @@ cudaError_t launch_cluster(const cudaLaunchConfig_t& cfg, const AttentionParams&
     using QT = decltype(qt);
     using KT = decltype(kt);
 #if QSA_ATTN_FLAT
-    if (flat_layout(p)) {
-      return cudaLaunchKernelEx(&cfg, attention_kernel<QT, KT, kDeep, true>, p, pdiv, splits,
-                                csize, parts);
+    // the float8 tensor-core loop reads the slots as (page, slot): never flat
+    if constexpr (!mma_path<KT>()) {
+      if (flat_layout(p)) {
+        return cudaLaunchKernelEx(&cfg, attention_kernel<QT, KT, kDeep, true>, p, pdiv, splits,
+                                  csize, parts);
+      }
     }
 #endif
     return cudaLaunchKernelEx(&cfg, attention_kernel<QT, KT, kDeep>, p, pdiv, splits, csize,
