@@ -148,6 +148,40 @@ def bench_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# A GPU test that has not returned after this many seconds ends the suite's process
+# (tests/gpu/conftest.py's watchdog), which names it; the longest measured test takes < 60 s.
+GPU_TEST_LIMIT_S = 180
+
+
+def gpu_tests(env: Env, pyenv: dict[str, str], scratch: Path, junit: Path, pytest_args) -> None:
+    """tests/gpu under the per-test watchdog; a stop names the test that never returned."""
+    watchdog = scratch / "gpu-test-watchdog.log"
+    environ = {**pyenv, "QSA_GPU_WATCHDOG": str(watchdog),
+               "QSA_GPU_TEST_LIMIT_S": str(GPU_TEST_LIMIT_S)}  # fmt: skip
+    try:
+        env.run("python", "-m", "pytest", ROOT / "tests" / "gpu", "-ra", "-p",
+                "no:cacheprovider", f"--junitxml={junit}", *pytest_args, env=environ,
+                cwd=scratch, timeout=900)  # fmt: skip
+    except Failed as exc:
+        hung = watchdog_stop(watchdog)
+        if hung:
+            kept = DIST / watchdog.name  # the stacks outlive the scratch directory
+            shutil.copyfile(watchdog, kept)
+            raise Failed(f"{hung}; stacks in {kept.relative_to(ROOT)} ({exc})") from None
+        raise
+
+
+def watchdog_stop(log: Path) -> str:
+    """The watchdog's verdict in ``log``: the test that never returned, or "" (none stopped)."""
+    if not log.is_file():
+        return ""
+    lines = log.read_text(errors="replace").splitlines()
+    stop = next((i for i, line in enumerate(lines) if line.startswith("Timeout (")), None)
+    if not stop:  # no stop, or a stop before any test id
+        return ""
+    return f"no result from {lines[stop - 1]} within {GPU_TEST_LIMIT_S} s"
+
+
 def kernels(env: Env) -> None:
     """GPU host: the CPU machine's wheel, unrebuilt, validated; results/gpu-validation.json.
 
@@ -171,20 +205,7 @@ def kernels(env: Env) -> None:
     junit, timing = DIST / "junit-kernels.xml", DIST / "gpu-timing.json"
     junit.unlink(missing_ok=True)
     steps = {
-        "tests": lambda: env.run(
-            "python",
-            "-m",
-            "pytest",
-            ROOT / "tests" / "gpu",
-            "-ra",
-            "-p",
-            "no:cacheprovider",
-            f"--junitxml={junit}",
-            *pytest_args,
-            env=pyenv,
-            cwd=scratch,
-            timeout=900,
-        ),
+        "tests": lambda: gpu_tests(env, pyenv, scratch, junit, pytest_args),
         "memcheck": lambda: sanitizer(env, pyenv, scratch, "memcheck"),
         "racecheck": lambda: sanitizer(env, pyenv, scratch, "racecheck"),
         "timing": lambda: bench_json(env, timing, pyenv, scratch, commit),

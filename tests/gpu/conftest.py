@@ -3,9 +3,18 @@
 Tests here carry the ``gpu`` marker; tests/conftest.py skips them (with the reason) where
 torch sees no CUDA device. On a CUDA machine a missing or broken build is a failure, not a
 skip: the suite exists to validate the compiled kernels.
+
+Watchdog: where ``QSA_GPU_WATCHDOG`` names a file (the pipeline's kernels step sets it), every
+test writes its id there, and one that has not returned after ``QSA_GPU_TEST_LIMIT_S`` seconds
+ends the process with every thread's stack written after its id. A kernel that never finishes
+holds the process in a wait that no signal interrupts: without this the whole step's limit
+passes in silence and no later test runs either.
 """
 
 from __future__ import annotations
+
+import faulthandler
+import os
 
 import pytest
 
@@ -20,3 +29,28 @@ def cuda_backend():
             f"a CUDA device is present but the CUDA backend cannot run: {ops.LIBRARY_ERROR}"
         )
     return "cuda"
+
+
+@pytest.fixture(scope="session")
+def _watchdog_log():
+    path = os.environ.get("QSA_GPU_WATCHDOG")
+    if not path:
+        yield None
+        return
+    with open(path, "w") as log:
+        yield log
+
+
+@pytest.fixture(autouse=True)
+def _watchdog(request, _watchdog_log):
+    if _watchdog_log is None:
+        yield
+        return
+    _watchdog_log.write(f"{request.node.nodeid}\n")
+    _watchdog_log.flush()
+    limit = float(os.environ.get("QSA_GPU_TEST_LIMIT_S", "180"))
+    faulthandler.dump_traceback_later(limit, exit=True, file=_watchdog_log)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()

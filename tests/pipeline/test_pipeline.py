@@ -288,6 +288,39 @@ def test_kernels_without_a_gpu_records_every_check_as_skipped(pipeline, dirs, mo
     }
 
 
+def test_gpu_watchdog_names_the_test_that_never_returns(tmp_path):
+    """tests/gpu/conftest.py's watchdog (as the kernels step arms it) ends a run whose test
+    does not return, and the step reads which test it was."""
+    from ci import gpu
+
+    shutil.copyfile(layout.ROOT / "tests" / "gpu" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_stuck.py").write_text(
+        "import time\n\ndef test_quick():\n    pass\n\n"
+        "def test_stuck():\n    time.sleep(60)\n\ndef test_never_reached():\n    pass\n"
+    )
+    log = tmp_path / "watchdog.log"
+    env = {**os.environ, "QSA_GPU_WATCHDOG": str(log), "QSA_GPU_TEST_LIMIT_S": "2"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=50,
+    )  # fmt: skip
+    assert done.returncode != 0
+    verdict = gpu.watchdog_stop(log)
+    assert verdict == f"no result from test_stuck.py::test_stuck within {gpu.GPU_TEST_LIMIT_S} s"
+    assert "time.sleep" not in verdict and "test_stuck" in log.read_text()
+    assert "test_never_reached" not in log.read_text()
+    # without the variable nothing is armed and nothing is written
+    log.unlink()
+    (tmp_path / "test_stuck.py").write_text("def test_quick():\n    pass\n")
+    env.pop("QSA_GPU_WATCHDOG")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=50,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not log.exists() and gpu.watchdog_stop(log) == ""
+
+
 def test_kernels_checks_are_chosen_by_name(pipeline):
     from ci import gpu
 
