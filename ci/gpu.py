@@ -91,6 +91,8 @@ def junit_cases(path: Path) -> tuple[dict[str, int], list[dict[str, str]]]:
             {
                 "id": f"{case.get('classname')}::{case.get('name')}",
                 "outcome": "error" if outcome == "errors" else outcome,
+                # seconds: what the next run's device time must cover
+                "time_s": round(float(case.get("time") or 0.0), 2),
             }
         )
     return counts, cases
@@ -159,8 +161,8 @@ def gpu_tests(env: Env, pyenv: dict[str, str], scratch: Path, junit: Path, pytes
     environ = {**pyenv, "QSA_GPU_WATCHDOG": str(watchdog),
                "QSA_GPU_TEST_LIMIT_S": str(GPU_TEST_LIMIT_S)}  # fmt: skip
     try:
-        env.run("python", "-m", "pytest", ROOT / "tests" / "gpu", "-ra", "-p",
-                "no:cacheprovider", f"--junitxml={junit}", *pytest_args, env=environ,
+        env.run("python", "-m", "pytest", ROOT / "tests" / "gpu", "-ra", "--durations=15",
+                "-p", "no:cacheprovider", f"--junitxml={junit}", *pytest_args, env=environ,
                 cwd=scratch, timeout=900)  # fmt: skip
     except Failed as exc:
         hung = watchdog_stop(watchdog)

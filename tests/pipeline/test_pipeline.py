@@ -349,12 +349,13 @@ def test_junit_cases_counts_outcomes(pipeline, tmp_path):
     junit = tmp_path / "j.xml"
     junit.write_text(
         '<testsuites><testsuite><testcase classname="a" name="ok"/>'
-        '<testcase classname="a" name="bad"><failure/></testcase>'
+        '<testcase classname="a" name="bad" time="1.234"><failure/></testcase>'
         '<testcase classname="a" name="skip"><skipped/></testcase></testsuite></testsuites>'
     )
     counts, cases = gpu.junit_cases(junit)
     assert counts == {"passed": 1, "failed": 1, "skipped": 1, "errors": 0}
-    assert cases[1] == {"id": "a::bad", "outcome": "failed"}
+    assert cases[1] == {"id": "a::bad", "outcome": "failed", "time_s": 1.23}
+    assert cases[0]["time_s"] == 0.0
 
 
 def test_export_tree_copies_sources_but_no_build_outputs(images, tmp_path):
