@@ -158,7 +158,9 @@ GPU_TEST_LIMIT_S = 180
 def gpu_tests(env: Env, pyenv: dict[str, str], scratch: Path, junit: Path, pytest_args) -> None:
     """tests/gpu under the per-test watchdog; a stop names the test that never returned."""
     watchdog = scratch / "gpu-test-watchdog.log"
-    environ = {**pyenv, "QSA_GPU_WATCHDOG": str(watchdog),
+    # unbuffered: pytest's progress reaches the log as it happens (a pipe buffers a partial
+    # line, so a stopped run showed only the last full line of dots)
+    environ = {**pyenv, "QSA_GPU_WATCHDOG": str(watchdog), "PYTHONUNBUFFERED": "1",
                "QSA_GPU_TEST_LIMIT_S": str(GPU_TEST_LIMIT_S)}  # fmt: skip
     try:
         env.run("python", "-m", "pytest", ROOT / "tests" / "gpu", "-ra", "--durations=15",
