@@ -299,12 +299,16 @@ def test_gpu_watchdog_names_the_test_that_never_returns(tmp_path):
         "def test_stuck():\n    time.sleep(60)\n\ndef test_never_reached():\n    pass\n"
     )
     log = tmp_path / "watchdog.log"
-    env = {**os.environ, "QSA_GPU_WATCHDOG": str(log), "QSA_GPU_TEST_LIMIT_S": "2"}
+    # the copied conftest imports the package: from this checkout, wherever pytest runs
+    path = os.pathsep.join(filter(None, [str(layout.ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "QSA_GPU_WATCHDOG": str(log),
+           "QSA_GPU_TEST_LIMIT_S": "2"}  # fmt: skip
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=50,
     )  # fmt: skip
     assert done.returncode != 0
+    assert log.is_file(), done.stdout + done.stderr
     verdict = gpu.watchdog_stop(log)
     assert verdict == f"no result from test_stuck.py::test_stuck within {gpu.GPU_TEST_LIMIT_S} s"
     assert "time.sleep" not in verdict and "test_stuck" in log.read_text()
