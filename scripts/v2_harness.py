@@ -117,7 +117,7 @@ class Lib:
                 v.stride(1),
                 idx.stride(0),
                 table.stride(0),
-                SCALE,
+                a.get("scale", SCALE),
                 a.get("k_scale", 1.0),
                 a.get("v_scale", 1.0),
                 DT[q.dtype],
@@ -847,6 +847,76 @@ def time_all(
 
 
 ONCE_CALLS = 3
+# R of the suite's attention layouts test (tests/gpu/test_v2_gpu.py) and of its selection ones,
+# with 300 added (more rows than SMs: the float8 selection's CTAs per row)
+SUITE_ATT_ROWS = (1, 2, 5, 9, 40, 160)
+SUITE_SEL_ROWS = (1, 3, 64, 300)
+
+
+def suite(libs: dict, limit_s: float, device: str = "cuda") -> int:
+    """The GPU suite's own v2 cases (qsa_ops.testing: every layout, R and case of the layouts
+    tests) through each build, each call announced first and watched: a call that has not
+    returned after limit_s ends the process with every stack (faulthandler), so the last
+    "RUN" line names the build and case that never finished."""
+    import faulthandler
+
+    from custom_esimd_kernels_vllm.qsa_ops import contract, testing
+
+    fails = 0
+    for lname, lib in libs.items():
+        for lay_name, lay in testing.LAYOUTS.items():
+            for R in SUITE_ATT_ROWS:
+                for name in testing.ATTENTION_CASES:
+                    case = testing.make_attention_case(name, R, device, seed=R + 7, layout=lay)
+                    a = {
+                        "q": case.q, "k": case.k_cache, "v": case.v_cache,
+                        "idx": case.logical_indices, "table": case.page_table,
+                        "t2r": case.token_to_req, "out": case.out, "gate": case.gate,
+                        "scale": contract.resolve_softmax_scale(case.softmax_scale),
+                        "k_scale": case.k_scale or 1.0, "v_scale": case.v_scale or 1.0,
+                    }  # fmt: skip
+                    fails += suite_call(
+                        f"{lname} attention {lay_name} R={R} {name}", limit_s,
+                        lambda lib=lib, a=a, R=R: (lib.reserve_attention(R), lib.attention(a)),
+                        lambda case=case: testing.check_attention(case, case.out),
+                        faulthandler,
+                    )  # fmt: skip
+            for R in SUITE_SEL_ROWS:
+                for name in testing.SELECT_CASES:
+                    case = testing.make_select_case(name, R, device, seed=R, layout=lay)
+                    ck, table = case.compressed_key_cache, case.page_table
+                    a = {
+                        "q": case.q, "ck": ck, "table": table, "t2r": case.token_to_req,
+                        "pos": case.query_positions, "lens": case.sequence_lengths,
+                        "out": case.out,
+                    }  # fmt: skip
+                    fails += suite_call(
+                        f"{lname} select {lay_name} R={R} {name}", limit_s,
+                        lambda lib=lib, a=a, R=R, t=table, c=ck: (
+                            lib.reserve_select(R, t.shape[1], c.shape[1]), lib.select(a)
+                        ),
+                        lambda case=case: testing.check_selection(case, case.out, exact=True),
+                        faulthandler,
+                    )  # fmt: skip
+    print(f"suite: {fails} failed", flush=True)
+    return 1 if fails else 0
+
+
+def suite_call(tag, limit_s, call, check, faulthandler) -> int:
+    print("RUN", tag, flush=True)
+    faulthandler.dump_traceback_later(limit_s, exit=True)
+    try:
+        call()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    try:
+        check()
+    except AssertionError as exc:
+        print("FAIL", tag, str(exc).splitlines()[0][:300], flush=True)
+        return 1
+    return 0
 
 
 def ab_report(log: Path):
@@ -901,6 +971,14 @@ def main():
         "--once-lib", default="new", help="--once's builds: new, old or alt_NAME, comma list"
     )
     ap.add_argument(
+        "--suite",
+        type=float,
+        default=0,
+        metavar="LIMIT_S",
+        help="the GPU suite's v2 layout cases through this tree's build and every variant, "
+        "each call announced and ended (with every stack) if it has not returned in LIMIT_S",
+    )
+    ap.add_argument(
         "--ab-report",
         default="",
         metavar="LOG",
@@ -917,6 +995,8 @@ def main():
         f.stem.removeprefix("libqsa_"): Lib(f, True)
         for f in sorted((ROOT / ".harness").glob("libqsa_alt*.so"))
     }
+    if args.suite:
+        return suite({"new": new, **alt}, args.suite)
     if args.once:
         libs = {"new": new, "old": old, **alt}
         for case in args.once.split(","):
