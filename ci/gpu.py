@@ -151,7 +151,8 @@ def bench_parser() -> argparse.ArgumentParser:
 
 
 # A GPU test that has not returned after this many seconds ends the suite's process
-# (tests/gpu/conftest.py's watchdog), which names it; the longest measured test takes < 60 s.
+# (tests/gpu/conftest.py's watchdog), and the check names it; each test's seconds are in the
+# record's cases.
 GPU_TEST_LIMIT_S = 180
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes as C
+import faulthandler
 import json
 import math
 import statistics
@@ -858,8 +859,6 @@ def suite(libs: dict, limit_s: float, device: str = "cuda") -> int:
     tests) through each build, each call announced first and watched: a call that has not
     returned after limit_s ends the process with every stack (faulthandler), so the last
     "RUN" line names the build and case that never finished."""
-    import faulthandler
-
     from custom_esimd_kernels_vllm.qsa_ops import contract, testing
 
     fails = 0
@@ -879,7 +878,6 @@ def suite(libs: dict, limit_s: float, device: str = "cuda") -> int:
                         f"{lname} attention {lay_name} R={R} {name}", limit_s,
                         lambda lib=lib, a=a, R=R: (lib.reserve_attention(R), lib.attention(a)),
                         lambda case=case: testing.check_attention(case, case.out),
-                        faulthandler,
                     )  # fmt: skip
             for R in SUITE_SEL_ROWS:
                 for name in testing.SELECT_CASES:
@@ -896,13 +894,12 @@ def suite(libs: dict, limit_s: float, device: str = "cuda") -> int:
                             lib.reserve_select(R, t.shape[1], c.shape[1]), lib.select(a)
                         ),
                         lambda case=case: testing.check_selection(case, case.out, exact=True),
-                        faulthandler,
                     )  # fmt: skip
     print(f"suite: {fails} failed", flush=True)
     return 1 if fails else 0
 
 
-def suite_call(tag, limit_s, call, check, faulthandler) -> int:
+def suite_call(tag, limit_s, call, check) -> int:
     print("RUN", tag, flush=True)
     faulthandler.dump_traceback_later(limit_s, exit=True)
     try:

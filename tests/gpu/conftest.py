@@ -4,9 +4,9 @@ Tests here carry the ``gpu`` marker; tests/conftest.py skips them (with the reas
 torch sees no CUDA device. On a CUDA machine a missing or broken build is a failure, not a
 skip: the suite exists to validate the compiled kernels.
 
-Watchdog: where ``QSA_GPU_WATCHDOG`` names a file (the pipeline's kernels step sets it), every
-test writes its id there, and one that has not returned after ``QSA_GPU_TEST_LIMIT_S`` seconds
-ends the process with every thread's stack written after its id. A kernel that never finishes
+Watchdog: where ``QSA_GPU_WATCHDOG`` names a file and ``QSA_GPU_TEST_LIMIT_S`` a limit (the
+pipeline's kernels step sets both), every test writes its id there, and one that has not
+returned within the limit (seconds) ends the process with every thread's stack written after its id. A kernel that never finishes
 holds the process in a wait that no signal interrupts: without this the whole step's limit
 passes in silence and no later test runs either.
 """
@@ -33,12 +33,12 @@ def cuda_backend():
 
 @pytest.fixture(scope="session")
 def _watchdog_log():
-    path = os.environ.get("QSA_GPU_WATCHDOG")
-    if not path:
+    path, limit = os.environ.get("QSA_GPU_WATCHDOG"), os.environ.get("QSA_GPU_TEST_LIMIT_S")
+    if not (path and limit):
         yield None
         return
     with open(path, "w") as log:
-        yield log
+        yield log, float(limit)
 
 
 @pytest.fixture(autouse=True)
@@ -46,10 +46,10 @@ def _watchdog(request, _watchdog_log):
     if _watchdog_log is None:
         yield
         return
-    _watchdog_log.write(f"{request.node.nodeid}\n")
-    _watchdog_log.flush()
-    limit = float(os.environ.get("QSA_GPU_TEST_LIMIT_S", "180"))
-    faulthandler.dump_traceback_later(limit, exit=True, file=_watchdog_log)
+    log, limit = _watchdog_log
+    log.write(f"{request.node.nodeid}\n")
+    log.flush()
+    faulthandler.dump_traceback_later(limit, exit=True, file=log)
     try:
         yield
     finally:
