@@ -976,6 +976,9 @@ def main():
         "each call announced and ended (with every stack) if it has not returned in LIMIT_S",
     )
     ap.add_argument(
+        "--suite-libs", default="", help="--suite's builds (new, alt_NAME; comma list; default all)"
+    )
+    ap.add_argument(
         "--ab-report",
         default="",
         metavar="LOG",
@@ -993,7 +996,9 @@ def main():
         for f in sorted((ROOT / ".harness").glob("libqsa_alt*.so"))
     }
     if args.suite:
-        return suite({"new": new, **alt}, args.suite)
+        libs = {"new": new, **alt}
+        keep = [n for n in args.suite_libs.split(",") if n] or list(libs)
+        return suite({n: libs[n] for n in keep}, args.suite)
     if args.once:
         libs = {"new": new, "old": old, **alt}
         for case in args.once.split(","):

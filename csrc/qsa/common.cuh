@@ -145,6 +145,18 @@ __device__ __forceinline__ void half8_to_float(const uint4& raw, float (&f)[8]) 
                : "=r"(v)                                    \
                : "l"(p), "r"(int(pred)), "r"(fallback))
 
+// 16 bytes, read-only path, unpredicated (asm volatile: issued where written, not sunk toward
+// the first use).
+// kOff: a byte offset in the instruction (p + kOff without an address add per load).
+template <int kOff = 0>
+__device__ __forceinline__ uint4 ldg16_nc(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4+%5];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p), "n"(kOff));
+  return v;
+}
+
 template <bool kFirstLoad = false>
 __device__ __forceinline__ uint4 ldg16_pred(const void* p, bool pred) {
   uint4 v;
@@ -248,16 +260,22 @@ struct Elem<__nv_bfloat16> {
     return __bfloat16_as_ushort(__float2bfloat16_rn(v));
   }
 };
-// Two fp8-e4m3 values (the low byte first) as two halves, exactly (cvt.rn.f16x2.e4m3x2).
-__device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t two) {
-  const __half2_raw h =
-      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
-  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+// Four fp8-e4m3 values (one word) as two half2, exactly (cvt.rn.f16x2.e4m3x2; the low byte
+// first): bytes 0-1 (.x) and 2-3 (.y). NOTES (v36): the halves of the word as .b16 operands,
+// so that the high pair's conversion reads R.H1 (F2FP ... UNPACK_B R, R.H1) instead of a
+// shift first: one instruction per pair.
+__device__ __forceinline__ uint2 fp8x4_to_half4(uint32_t four) {
+  uint2 h;
+  asm("{\n\t.reg .b16 l, u;\n\tmov.b32 {l, u}, %2;\n\t"
+      "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, u;\n\t}"
+      : "=r"(h.x), "=r"(h.y)
+      : "r"(four));
+  return h;
 }
 // Eight fp8-e4m3 values as eight halves (exact: every e4m3 value is a float16).
 __device__ __forceinline__ uint4 fp8x8_to_half8(const uint2& raw) {
-  return make_uint4(fp8x2_to_half2(raw.x), fp8x2_to_half2(raw.x >> 16), fp8x2_to_half2(raw.y),
-                    fp8x2_to_half2(raw.y >> 16));
+  const uint2 a = fp8x4_to_half4(raw.x), b = fp8x4_to_half4(raw.y);
+  return make_uint4(a.x, a.y, b.x, b.y);
 }
 template <>
 struct Elem<__nv_fp8_e4m3> {

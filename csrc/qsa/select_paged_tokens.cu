@@ -36,8 +36,12 @@
 #include "common.cuh"
 #include "qsa.h"
 
-// Key chunks in flight per warp with float8 keys and one page per chunk (v31; 2 before; one
-// less where each lane looks up its own pages).
+// Key chunks in flight per warp with float8 keys and one page per chunk (v38: 4; v32: 3; v31:
+// 4; 2 before; one less where each lane looks up its own pages).
+// Independent accumulator chains of a chunk's scores (v33: 1, 2 or 4).
+#ifndef QSA_SELECT_CHAINS
+#define QSA_SELECT_CHAINS 2
+#endif
 #ifndef QSA_SELECT_FP8_DEPTH
 #define QSA_SELECT_FP8_DEPTH 4
 #endif
@@ -77,7 +81,17 @@ constexpr int kScoreChunk = kWarpChunk * (kGroupThreads / 32);  // blocks per gr
 // NOTES (contract v2): a page holds C keys (any C >= 1). A group iteration scores kScoreChunk
 // consecutive blocks (one seed page); a warp's 16-block chunk lies in one page when C is a
 // multiple of 16 (one page-table entry per chunk, as in the seed), else each lane looks up
-// the pages of its own two blocks.
+// the pages of its own two blocks. NOTES (v38): with C >= kPaddedPageMin the chunks are
+// dealt over padded pages instead (page_chunks): Cp = C rounded up to 16 slots per page, the
+// slots past C scored by no one, so that a chunk lies in one page for vLLM's C = 196, 200, 392
+// (pages of 784, 800, 1568 tokens) too, at most 15 / C of the chunks' rows idle.
+constexpr int64_t kPaddedPageMin = 128;
+__host__ __device__ constexpr bool page_chunks(int64_t c) {
+  return c % kWarpChunk == 0 || c >= kPaddedPageMin;
+}
+__host__ __device__ constexpr int64_t padded_page(int64_t c) {
+  return page_chunks(c) ? (c + kWarpChunk - 1) / kWarpChunk * kWarpChunk : c;
+}
 
 // NOTES (v7i): the first digit is relative to the row's largest key: bin 4095 holds the keys
 // whose bits >> 15 equal the largest key's, each bin below one step (2^15 key units, 256 bins
@@ -101,6 +115,10 @@ constexpr int kRadixBins = 2048;               // generic path: 11-bit digits (1
 constexpr int kRadixUnroll = 4;
 constexpr int kStreamUnroll = 8;               // 16-byte key loads in flight per thread
 constexpr int kWideCtas = 4;                   // CTAs per row when rows outnumber the SMs
+#ifndef QSA_SELECT_WIDE_FP8
+#define QSA_SELECT_WIDE_FP8 2
+#endif
+constexpr int kWideCtasFp8 = QSA_SELECT_WIDE_FP8;  // the same with float8 keys (v32)
 // NOTES (v7p): in a launch whose table can hold more than kTile blocks (a streamed row) and
 // whose grid is resident at once (cooperative, at most kDistRows rows), every CTA of a row
 // takes part in the select: once all have scored (the row's largest key known), each
@@ -193,6 +211,10 @@ struct KeyDiv {
   uint32_t d;
   __device__ __forceinline__ int64_t div(int64_t j) const {
     return static_cast<int64_t>((static_cast<uint64_t>(j) * mul) >> shift);
+  }
+  // The same for j < 2^31 (mul < 2^32 for d <= 2^30): one 32 x 32 -> 64 multiply.
+  __device__ __forceinline__ uint32_t div32(uint32_t j) const {
+    return static_cast<uint32_t>((uint64_t(j) * static_cast<uint32_t>(mul)) >> shift);
   }
 };
 inline KeyDiv make_key_div(int64_t d) {
@@ -643,7 +665,8 @@ __device__ __forceinline__ void select_pairs(const uint32_t* K, int nv, int64_t 
 // distributed select, the row's largest key in global memory), so a short row's last CTA
 // fetches less code.
 // T: the element type of q and the keys (__half, __nv_bfloat16, __nv_fp8_e4m3).
-// kPageChunks: C is a multiple of 16, so that a warp's 16-block chunk lies in one page.
+// kPageChunks: page_chunks(C): the loop's chunks are 16 slots of one padded page (cdiv: the
+// padded page's Cp slots; v38), else of the row's blocks (cdiv: C).
 template <typename T, bool kStreamed, bool kPageChunks>
 __global__ void __launch_bounds__(kThreads, 1)
     select_kernel(SelectParams p, KeyDiv cdiv, int64_t row0, int64_t ncap,
@@ -707,48 +730,76 @@ __global__ void __launch_bounds__(kThreads, 1)
   // known yet; j < ncap: the table has the chunk's page, and with M = 0 there is none to read).
   // kPageChunks: one entry per chunk (a == b); else the pages of this lane's blocks j + g
   // (a) and j + g + 8 (b).
-  auto lookup = [&](int64_t j, int64_t lim, bool pred) {
-    return detail::ldg32_pred(table + (j < lim ? cdiv.div(j) : 0), pred && j < lim, -1);
+  // NOTES (v34): the scoring loop's block indices are 32-bit (Ix): the op refuses
+  // M * C > INT32_MAX, so a row's blocks are < 2^31 and every index the loop forms (at most
+  // 3 kDepth strides of at most 2^18 past them) is < 2^32; the int64 ones of v33 were about
+  // half of the loop's instructions (64-bit compares, products, the page division).
+  // NOTES (v38): kPageChunks: the loop's indices are slots of padded pages (slot v = page
+  // v / Cp, row v % Cp of it, the row's block (v / Cp) C + v % Cp where v % Cp < C); M Cp
+  // < 2^32 (Cp < C + 16 <= 9 C / 8).
+  using Ix = uint32_t;
+  const Ix C32 = kPageChunks ? static_cast<Ix>(p.keys_per_page) : cdiv.d;  // a page's blocks
+  const Ix ncap32 = static_cast<Ix>(kPageChunks ? p.table_width * cdiv.d : ncap);
+  const Ix stride32 = static_cast<Ix>(stride);
+  auto lookup = [&](Ix j, Ix lim, bool pred) {
+    return detail::ldg32_pred(table + (j < lim ? cdiv.div32(j) : 0u), pred && j < lim, -1);
   };
-  auto page_first = [&](int64_t j) {
+  auto page_first = [&](Ix j) {
     if constexpr (kPageChunks) {
-      const int32_t v = lookup(j, ncap, b_ok);
+      const int32_t v = lookup(j, ncap32, b_ok);
       return int2{v, v};
     } else {
-      return int2{lookup(j + g, ncap, b_ok), lookup(j + g + 8, ncap, b_ok)};
+      return int2{lookup(j + g, ncap32, b_ok), lookup(j + g + 8, ncap32, b_ok)};
     }
   };
-  // NOTES (v31): chunks in flight per warp. float8 keys: a chunk's loads are half the bytes
-  // of a 2-byte chunk's, so four chunks (the same registers and bytes per lane as two 2-byte
-  // chunks); three where each lane looks up its own pages (!kPageChunks), whose four-chunk
-  // build spilled 8-16 bytes (the GPU suite's spill check, H200 run of v31).
+  // NOTES (v31, v32): chunks in flight per warp. float8 keys: a chunk's loads are half the
+  // bytes of a 2-byte chunk's; four chunks (v31) were 3-5 % slower than three (v32: ncu, H100,
+  // R = 8 / 64 / 256); one less where each lane looks up its own pages (!kPageChunks), whose
+  // four-chunk build spilled 8-16 bytes (the GPU suite's spill check, H200 run of v31).
   constexpr int kDepth =
       Elem<T>::kBytes == 1 ? (kPageChunks ? QSA_SELECT_FP8_DEPTH : QSA_SELECT_FP8_DEPTH - 1) : 2;
   int2 ph[2 * kDepth];
 #pragma unroll
-  for (int k = 0; k < 2 * kDepth; ++k) ph[k] = page_first(wfirst + k * stride);
+  for (int k = 0; k < 2 * kDepth; ++k) ph[k] = page_first(static_cast<Ix>(wfirst) + k * stride32);
   int64_t n = pos1 < len ? pos1 : len;
   n = n > 0 ? n : 0;
   const int64_t nb = n / kRatio;
   const int64_t nbv = b_ok ? (nb < ncap ? nb : ncap) : 0;  // candidate blocks
+  const Ix nbv32 = static_cast<Ix>(nbv);
+  // The loop's end: the slot after the row's last block (kPageChunks), else nbv.
+  Ix nend32 = nbv32;
+  if constexpr (kPageChunks) {
+    const Ix last_page = nbv32 > 0 ? (nbv32 - 1) / C32 : 0u;  // once per thread
+    nend32 = nbv32 > 0 ? last_page * cdiv.d + (nbv32 - last_page * C32) : 0u;
+  }
   uint32_t* row_keys = keys + rl * key_stride(ncap);
 
   // ---- Scores: each warp scores 16 blocks of one page per iteration -----------------------
   const T* ck = static_cast<const T*>(p.compressed_keys);
   const uint32_t zero = static_cast<uint32_t>(ncap >> 62);  // ncap < 2^62
-  const int64_t C = cdiv.d;
   auto usable_page = [&](int64_t ph) { return ph >= 0 && ph < p.pages; };
-  // The warp scores blocks j0 + (0..15); lane (g, t) loads rows g and g + 8
-  // (A fragments), dims dim_offset(s, t) .. + 8 (fp8: + 16). NOTES: kPageChunks: unpredicated
-  // loads of a clamped block (same page); a clamped block's score is not stored. An unusable
-  // page is never read (else: each block's load predicated on its own page).
-  auto issue = [&](int64_t j0, int2 ph, uint4(&ra)[kLoads], uint4(&rb)[kLoads]) {
-    if constexpr (kPageChunks) {
-      const int64_t ja = min(j0 + g, nbv - 1), jb = min(j0 + g + 8, nbv - 1);
-      const int64_t base = j0 - cdiv.div(j0) * C;  // the chunk's first row in its page
+  // kPageChunks: slot j0's chunk (j0 < nend: the chunk has a block of the row): the row's
+  // block of its first slot (first) and the page row of its first slot (base); rows past
+  // last (the page's or the row's last block) are not the row's.
+  struct ChunkRows {
+    Ix first, base, last;
+  };
+  auto chunk_rows = [&](Ix j0) {
+    const Ix page = cdiv.div32(j0);
+    const Ix base = j0 - page * cdiv.d, first = page * C32 + base;
+    return ChunkRows{first, base, base + min(C32 - 1u - base, nbv32 - 1u - first)};
+  };
+  // The warp scores blocks j0 + (0..15) (kPageChunks: slots); lane (g, t) loads rows g and
+  // g + 8 (A fragments), dims dim_offset(s, t) .. + 8 (fp8: + 16). NOTES: kPageChunks:
+  // unpredicated loads of a clamped row (same page); a clamped row's score is not stored. An
+  // unusable page is never read (else: each block's load predicated on its own page).
+  auto issue = [&](Ix j0, int2 ph, uint4(&ra)[kLoads], uint4(&rb)[kLoads]) {
+    if constexpr (kPageChunks) {  // j0 < nend: nbv >= 1
+      const ChunkRows cr = chunk_rows(j0);
       const T* pg = ck + int64_t(ph.x) * p.ck_page_stride;
-      const T* pa = pg + (base + (ja - j0)) * p.ck_row_stride + dim_offset<T>(0, t);
-      const T* pb = pg + (base + (jb - j0)) * p.ck_row_stride + dim_offset<T>(0, t);
+      const T* pa = pg + int64_t(min(cr.base + g, cr.last)) * p.ck_row_stride + dim_offset<T>(0, t);
+      const T* pb =
+          pg + int64_t(min(cr.base + g + 8, cr.last)) * p.ck_row_stride + dim_offset<T>(0, t);
 #pragma unroll
       for (int s = 0; s < kLoads; ++s) {
         const int o = dim_offset<T>(s, t) - dim_offset<T>(0, t);
@@ -756,12 +807,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         rb[s] = __ldg(reinterpret_cast<const uint4*>(pb + o));
       }
     } else {
-      const int64_t ja = j0 + g, jb = j0 + g + 8;
+      const Ix ja = j0 + g, jb = j0 + g + 8;
       const bool oka = usable_page(ph.x), okb = usable_page(ph.y);
       const T* pa = ck + int64_t(oka ? ph.x : 0) * p.ck_page_stride +
-                    (oka ? ja - cdiv.div(ja) * C : 0) * p.ck_row_stride + dim_offset<T>(0, t);
+                    int64_t(oka ? ja - cdiv.div32(ja) * C32 : 0u) * p.ck_row_stride +
+                    dim_offset<T>(0, t);
       const T* pb = ck + int64_t(okb ? ph.y : 0) * p.ck_page_stride +
-                    (okb ? jb - cdiv.div(jb) * C : 0) * p.ck_row_stride + dim_offset<T>(0, t);
+                    int64_t(okb ? jb - cdiv.div32(jb) * C32 : 0u) * p.ck_row_stride +
+                    dim_offset<T>(0, t);
 #pragma unroll
       for (int s = 0; s < kLoads; ++s) {
         const int o = dim_offset<T>(s, t) - dim_offset<T>(0, t);
@@ -789,13 +842,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t kmax = 0;  // the largest key this thread stored
   // Chunk j0 on page ph from (ca, cb); chunk j0 + (kDepth - 1) * stride (page ph_next) issued
   // into (na, nb4).
-  auto score_step = [&](int64_t j0, int2 ph, int2 ph_next, uint4(&ca)[kLoads],
+  auto score_step = [&](Ix j0, int2 ph, int2 ph_next, uint4(&ca)[kLoads],
                         uint4(&cb)[kLoads], uint4(&na)[kLoads], uint4(&nb4)[kLoads]) {
-    const int64_t j1 = j0 + (kDepth - 1) * stride;
-    if (kPipe && j1 < nbv && usable_chunk(ph_next)) issue(j1, ph_next, na, nb4);
-    if (!usable_chunk(ph)) {
-      // Never read: an unusable block gets key 0 and can never be chosen.
-      if (lane < kWarpChunk && j0 + lane < nbv) row_keys[j0 + lane] = 0u;
+    const Ix j1 = j0 + (kDepth - 1) * stride32;
+    if (kPipe && j1 < nend32 && usable_chunk(ph_next)) issue(j1, ph_next, na, nb4);
+    // The row's blocks of rows g and g + 8 (kPageChunks: of the chunk's slots), and whether
+    // they are the row's.
+    Ix ja = j0 + g, jb = j0 + g + 8;
+    bool ina = ja < nbv32, inb = jb < nbv32;
+    if constexpr (kPageChunks) {
+      const ChunkRows cr = chunk_rows(j0);
+      ja = cr.first + g, jb = cr.first + g + 8;
+      ina = cr.base + g <= cr.last, inb = cr.base + g + 8 <= cr.last;
+      if (!usable_chunk(ph)) {
+        // Never read: an unusable block gets key 0 and can never be chosen.
+        if (lane < kWarpChunk && cr.base + lane <= cr.last) row_keys[cr.first + lane] = 0u;
+        return;
+      }
+    } else if (!usable_chunk(ph)) {
+      if (lane < kWarpChunk && j0 + lane < nbv32) row_keys[j0 + lane] = 0u;
       return;
     }
     if (!kPipe) issue(j0, ph, ca, cb);
@@ -808,14 +873,27 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint4 ha[4], hb[4];
     widen<T>(ca, ha);
     widen<T>(cb, hb);
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    // NOTES (v33): QSA_SELECT_CHAINS independent accumulators (k-step u of each
+    // s), summed after: one chain made the 8 mma of a chunk wait on each other (SASS of v31).
+    constexpr int kChains = QSA_SELECT_CHAINS;
+    float part[kChains][4];
+#pragma unroll
+    for (int c = 0; c < kChains; ++c) part[c][0] = part[c][1] = part[c][2] = part[c][3] = 0.f;
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
-        mma_16816<kBf16>(acc, word(ha[s], 2 * u), word(hb[s], 2 * u), word(ha[s], 2 * u + 1),
-                         word(hb[s], 2 * u + 1), word(qv[s], 2 * u), word(qv[s], 2 * u + 1));
+        mma_16816<kBf16>(part[(2 * s + u) % kChains], word(ha[s], 2 * u), word(hb[s], 2 * u),
+                         word(ha[s], 2 * u + 1), word(hb[s], 2 * u + 1), word(qv[s], 2 * u),
+                         word(qv[s], 2 * u + 1));
       }
+    }
+    float acc[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      acc[e] = part[0][e];
+#pragma unroll
+      for (int c = 1; c < kChains; ++c) acc[e] += part[c][e];
     }
     // acc: (block g, heads 2t, 2t+1), (block g + 8, heads 2t, 2t+1); heads >= 4 are zero.
     // ReLU also maps -0.0 to +0.0.
@@ -828,22 +906,22 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool oka = kPageChunks || usable_page(ph.x), okb = kPageChunks || usable_page(ph.y);
       const uint32_t klo = oka ? __float_as_uint(lo * kScoreScale) + 1u : 0u;
       const uint32_t khi = okb ? __float_as_uint(hi * kScoreScale) + 1u : 0u;
-      if (j0 + g < nbv) {
-        row_keys[j0 + g] = klo;
+      if (ina) {
+        row_keys[ja] = klo;
         kmax = max(kmax, klo);
       }
-      if (j0 + g + 8 < nbv) {
-        row_keys[j0 + g + 8] = khi;
+      if (inb) {
+        row_keys[jb] = khi;
         kmax = max(kmax, khi);
       }
     }
   };
-  auto page_ahead = [&](int64_t j) {  // loaded inside the loop: only pages of the row
+  auto page_ahead = [&](Ix j) {  // loaded inside the loop: only pages of the row
     if constexpr (kPageChunks) {
-      const int32_t v = lookup(j, nbv, true);
+      const int32_t v = lookup(j, nend32, true);
       return int2{v, v};
     } else {
-      return int2{lookup(j + g, nbv, true), lookup(j + g + 8, nbv, true)};
+      return int2{lookup(j + g, nbv32, true), lookup(j + g + 8, nbv32, true)};
     }
   };
   // Chunk k of a round of kDepth (j0 + k * stride) is scored from buffer k while chunk
@@ -851,17 +929,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   // 2 kDepth chunks ahead (ph[i]: chunk j0 + i * stride).
 #pragma unroll
   for (int k = 0; k + 1 < kDepth; ++k) {
-    const int64_t j = wfirst + k * stride;
-    if (kPipe && j < nbv && usable_chunk(ph[k])) issue(j, ph[k], bufa[k], bufb[k]);
+    const Ix j = static_cast<Ix>(wfirst) + k * stride32;
+    if (kPipe && j < nend32 && usable_chunk(ph[k])) issue(j, ph[k], bufa[k], bufb[k]);
   }
-  for (int64_t j0 = wfirst; j0 < nbv; j0 += kDepth * stride) {
+  for (Ix j0 = static_cast<Ix>(wfirst); j0 < nend32; j0 += kDepth * stride32) {
     int2 ahead[kDepth];
 #pragma unroll
-    for (int k = 0; k < kDepth; ++k) ahead[k] = page_ahead(j0 + (2 * kDepth + k) * stride);
+    for (int k = 0; k < kDepth; ++k) ahead[k] = page_ahead(j0 + (2 * kDepth + k) * stride32);
 #pragma unroll
     for (int k = 0; k < kDepth; ++k) {
-      if (k > 0 && j0 + k * stride >= nbv) break;
-      score_step(j0 + k * stride, ph[k], ph[k + kDepth - 1], bufa[k], bufb[k],
+      if (k > 0 && j0 + k * stride32 >= nend32) break;
+      score_step(j0 + k * stride32, ph[k], ph[k + kDepth - 1], bufa[k], bufb[k],
                  bufa[(k + kDepth - 1) % kDepth], bufb[(k + kDepth - 1) % kDepth]);
     }
 #pragma unroll
@@ -879,6 +957,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
+#if QSA_SELECT_SCORE_ONLY
+  // Development build (timing the phases): the scores only, no arrival and no select (the
+  // output is not written; the row counters are left as they are).
+  return;
+#endif
   // ---- Arrival: the row's last CTA selects ----------------------------------------------
   // A distributed row (v7p) counts three arrivals per CTA on its counter: scored, histogram
   // added, candidates pushed; the last of the third resets it.
@@ -1128,7 +1211,7 @@ template <typename T>
 cudaError_t launch_typed(const cudaLaunchConfig_t& cfg, const SelectParams& p,
                          const KeyDiv& cdiv, int64_t row0, int64_t ncap, uint32_t* keys,
                          uint32_t* dist, bool pairs) {
-  const bool chunks = p.keys_per_page % kWarpChunk == 0;
+  const bool chunks = page_chunks(p.keys_per_page);
   auto* kernel = streamed_launch(ncap)
                      ? (chunks ? select_kernel<T, true, true> : select_kernel<T, true, false>)
                      : (chunks ? select_kernel<T, false, true> : select_kernel<T, false, false>);
@@ -1191,7 +1274,7 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   uint32_t* keys = static_cast<uint32_t*>(p.workspace);
-  const KeyDiv cdiv = make_key_div(c);
+  const KeyDiv cdiv = make_key_div(padded_page(c));  // the loop's pages (v38)
   const int64_t g = group_rows(p.rows, p.table_width, c);
   const int64_t chunks = std::max<int64_t>(1, (ncap + kScoreChunk - 1) / kScoreChunk);
   // The SMs of the stream's partition (the device's, where it is not partitioned).
@@ -1206,7 +1289,10 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     // per SM). v7n: more rows than SMs take 4 CTAs per row (several waves, so that a row's
     // select overlaps the other SMs' scoring instead of every SM selecting at once at the
     // end of a wave).
-    const int64_t per_row = n > sms ? kWideCtas : std::max<int64_t>(1, sms / n);
+    // v32: float8 keys are half the bytes per CTA, so two CTAs per row instead of four (ncu,
+    // H100, R = 256 at 32K: 2 CTAs 0.91x the time of 4, 8 CTAs 1.22x; bfloat16: 2 CTAs 0.99x).
+    const int64_t wide = p.dtype == DType::kFloat8E4M3 ? kWideCtasFp8 : kWideCtas;
+    const int64_t per_row = n > sms ? wide : std::max<int64_t>(1, sms / n);
     // v7w: a launch without streamed rows spreads a short row over up to one CTA per warp
     // chunk (16 blocks) instead of one per page.
     const int64_t ctas = std::min(

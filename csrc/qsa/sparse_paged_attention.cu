@@ -42,6 +42,16 @@
 #ifndef QSA_ATTN_MMA
 #define QSA_ATTN_MMA 1
 #endif
+// 1 builds one 32-bit offset per token where K and V share their strides (2-byte caches
+// measured faster: ncu, H100, R = 64 0.94-0.95x the time, R = 8 and 256 0.97-0.99x; NOTES
+// v32, v38); 0 the (page, slot) pair only.
+// Independent accumulator chains of the float8 loop's QK^T (v33: 1, 2 or 4).
+#ifndef QSA_ATTN_QK_CHAINS
+#define QSA_ATTN_QK_CHAINS 2
+#endif
+#ifndef QSA_ATTN_FLAT
+#define QSA_ATTN_FLAT 1
+#endif
 
 namespace qsa {
 // NOTES: a named namespace, not an anonymous one: nvcc names anonymous-namespace kernels
@@ -52,7 +62,7 @@ namespace attention_impl {
 namespace cg = cooperative_groups;
 using detail::atomic_add_acq_rel_gpu;
 using detail::Elem;
-using detail::fp8x2_to_half2;
+using detail::fp8x4_to_half4;
 using detail::ldg32_pred;
 using detail::mma_16816;
 using detail::word;
@@ -248,7 +258,8 @@ __device__ __forceinline__ void publish_warp(const float (&acc)[kHeads][8],
 //    widened. P^T comes from S by four shuffles (f16 pairs); acc: 16 m-tiles x 4 floats.
 //  * Online softmax per head over the tile (max over the 8 lane groups by 3 shuffles), the
 //    rescale of acc skipped when no head's max moved (warp vote).
-// K of the next tile is issued after this tile's QK^T, V after its PV.
+// K and V of the next tile are issued after this tile's QK^T (v32; V after the PV before:
+// ncu, H100, R = 256 0.97x the time, R = 8 and 64 unchanged), V double-buffered.
 template <typename KT>
 constexpr bool mma_path() {
 #if QSA_ATTN_MMA
@@ -458,9 +469,12 @@ __global__ void __launch_bounds__(kThreads, kDeep || mma_path<KT>() ? 1 : 2)
     float m_e = -INFINITY, m_o = -INFINITY, l_e = 0.f, l_o = 0.f;
     const char* kb = static_cast<const char*>(p.k_cache);
     const char* vb = static_cast<const char*>(p.v_cache);
-    // Byte offsets of tile token `lane` (lanes < 16), for the shuffles below.
+    // Byte offsets of tile token `lane` (lanes < 16), for the shuffles below. NOTES (v35
+    // candidate): a token past the CTA's last one takes that token's place (g0 < total), so
+    // that every K/V load is unpredicated (no zeroed registers, no predicate per load): its
+    // score is masked to -inf and its P is 0, and the V it reads is a real token's (finite).
     auto offsets = [&](int g0, int64_t& ko, int64_t& vo) {
-      const TokenRef ref = lane < kTile && g0 + lane < total ? slot_of(g0 + lane) : TokenRef{0, 0};
+      const TokenRef ref = slot_of(min(g0 + lane, total - 1));
       ko = int64_t(ref.page) * p.k_page_stride + int64_t(ref.slot) * p.k_token_stride;
       vo = int64_t(ref.page) * p.v_page_stride + int64_t(ref.slot) * p.v_token_stride;
     };
@@ -470,47 +484,70 @@ __global__ void __launch_bounds__(kThreads, kDeep || mma_path<KT>() ? 1 : 2)
       return static_cast<int64_t>((uint64_t(hi) << 32) | lo);
     };
     auto issue_k = [&](int g0, int64_t ko, uint4 (&kr)[8]) {
-      const int64_t a = shfl64(ko, g), b = shfl64(ko, g + 8);
-      const bool pa = g0 + g < total, pb = g0 + g + 8 < total;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        kr[i] = detail::ldg16_pred(kb + a + (4 * i + c) * 16, pa);
-        kr[4 + i] = detail::ldg16_pred(kb + b + (4 * i + c) * 16, pb);
-      }
+      // NOTES (v37): one address per token, the chunks as offsets in the loads
+      const char* ta = kb + shfl64(ko, g) + c * 16;
+      const char* tb = kb + shfl64(ko, g + 8) + c * 16;
+      kr[0] = detail::ldg16_nc<0>(ta);
+      kr[1] = detail::ldg16_nc<64>(ta);
+      kr[2] = detail::ldg16_nc<128>(ta);
+      kr[3] = detail::ldg16_nc<192>(ta);
+      kr[4] = detail::ldg16_nc<0>(tb);
+      kr[5] = detail::ldg16_nc<64>(tb);
+      kr[6] = detail::ldg16_nc<128>(tb);
+      kr[7] = detail::ldg16_nc<192>(tb);
     };
     // tokens c, c + 8, c + 4, c + 12 (k = 2c, 2c + 1, 2c + 8, 2c + 9 of the PV product)
     auto issue_v = [&](int g0, int64_t vo, uint4 (&vr)[8]) {
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
         const int tt = c + (t == 1 ? 8 : t == 2 ? 4 : t == 3 ? 12 : 0);
-        const int64_t a = shfl64(vo, tt);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          vr[2 * t + h] = detail::ldg16_pred(vb + a + (8 * h + g) * 16, g0 + tt < total);
-        }
+        const char* tv = vb + shfl64(vo, tt) + g * 16;
+        vr[2 * t] = detail::ldg16_nc<0>(tv);
+        vr[2 * t + 1] = detail::ldg16_nc<128>(tv);
       }
     };
-    uint4 kr[8], vr[8];
+    // NOTES (v32): V of the next tile goes out with its K, right after this tile's QK^T (V
+    // double-buffered, the loop unrolled by two with the buffers' roles swapped, so that no
+    // register copy waits for a load): both of the next tile's loads have a whole tile of
+    // compute to arrive.
+    uint4 kr[8], v0[8], v1[8];
     int g0 = warp * kTile;
     if (g0 < total) {
       int64_t ko, vo;
       offsets(g0, ko, vo);
       issue_k(g0, ko, kr);
-      issue_v(g0, vo, vr);
+      issue_v(g0, vo, v0);
     }
-    for (; g0 < total; g0 += kStep) {
+    auto tile = [&](int g0, uint4 (&vr)[8], uint4 (&vn)[8]) {
       const int gn = g0 + kStep;
       int64_t kon = 0, von = 0;
       if (gn < total) offsets(gn, kon, von);
       // S = K q^T: tokens g, g + 8 x heads 2c, 2c + 1
-      float sc[4] = {0.f, 0.f, 0.f, 0.f};
+      // NOTES (v33): QSA_ATTN_QK_CHAINS independent accumulators (k-steps j, j +
+      // chains, ...), summed after: one chain made the 16 mma of QK^T wait on each other
+      // (SASS of v31: one accumulator register set through all 16 HMMA).
+      constexpr int kChains = QSA_ATTN_QK_CHAINS;
+      float sq[kChains][4];
+#pragma unroll
+      for (int u = 0; u < kChains; ++u) sq[u][0] = sq[u][1] = sq[u][2] = sq[u][3] = 0.f;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const uint32_t ka = word(kr[j / 4], j % 4), kb2 = word(kr[4 + j / 4], j % 4);
-        mma_16816<false>(sc, fp8x2_to_half2(ka), fp8x2_to_half2(kb2), fp8x2_to_half2(ka >> 16),
-                      fp8x2_to_half2(kb2 >> 16), qb[j][0], qb[j][1]);
+        const uint2 ha = fp8x4_to_half4(ka), hb = fp8x4_to_half4(kb2);
+        mma_16816<false>(sq[j % kChains], ha.x, hb.x, ha.y, hb.y, qb[j][0],
+                         qb[j][1]);
       }
-      if (gn < total) issue_k(gn, kon, kr);
+      float sc[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        sc[e] = sq[0][e];
+#pragma unroll
+        for (int u = 1; u < kChains; ++u) sc[e] += sq[u][e];
+      }
+      if (gn < total) {
+        issue_k(gn, kon, kr);
+        issue_v(gn, von, vn);
+      }
       const bool va = g0 + g < total, vb8 = g0 + g + 8 < total;
       const float s0 = va ? sc[0] * scl_e : -INFINITY, s1 = va ? sc[1] * scl_o : -INFINITY;
       const float s2 = vb8 ? sc[2] * scl_e : -INFINITY, s3 = vb8 ? sc[3] * scl_o : -INFINITY;
@@ -558,13 +595,17 @@ __global__ void __launch_bounds__(kThreads, kDeep || mma_path<KT>() ? 1 : 2)
           const uint32_t lo01 = __byte_perm(x0, x1, 0x5140), hi01 = __byte_perm(x0, x1, 0x7362);
           const uint32_t lo23 = __byte_perm(x2, x3, 0x5140), hi23 = __byte_perm(x2, x3, 0x7362);
           const int i = h * 8 + w * 2;
-          mma_16816<false>(acc[i], fp8x2_to_half2(lo01), fp8x2_to_half2(lo01 >> 16),
-                        fp8x2_to_half2(lo23), fp8x2_to_half2(lo23 >> 16), pb0, pb1);
-          mma_16816<false>(acc[i + 1], fp8x2_to_half2(hi01), fp8x2_to_half2(hi01 >> 16),
-                        fp8x2_to_half2(hi23), fp8x2_to_half2(hi23 >> 16), pb0, pb1);
+          const uint2 l01 = fp8x4_to_half4(lo01), l23 = fp8x4_to_half4(lo23);
+          const uint2 h01 = fp8x4_to_half4(hi01), h23 = fp8x4_to_half4(hi23);
+          mma_16816<false>(acc[i], l01.x, l01.y, l23.x, l23.y, pb0, pb1);
+          mma_16816<false>(acc[i + 1], h01.x, h01.y, h23.x, h23.y, pb0, pb1);
         }
       }
-      if (gn < total) issue_v(gn, von, vr);
+    };
+    for (; g0 < total; g0 += 2 * kStep) {
+      tile(g0, v0, v1);
+      if (g0 + kStep >= total) break;
+      tile(g0 + kStep, v1, v0);
     }
     // ---- Merge the warps of this CTA (fixed order) ---------------------------------------
     detail::allow_dependents();  // every K/V line read: the next kernel may take the SMs left
