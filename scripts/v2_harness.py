@@ -960,8 +960,9 @@ def main():
         "--once",
         default="",
         metavar="CASES",
-        help="comma list of LAYOUT:R (attention, ATT_LAYOUTS, 512K-token pool) or sel:LAYOUT:R "
-        "(selection, SEL_LAYOUTS, 32K context, a request per row): ONCE_CALLS calls of each "
+        help="comma list of LAYOUT:R (attention, ATT_LAYOUTS, 512K-token pool) or "
+        "sel:LAYOUT:R[:CTX] (selection, SEL_LAYOUTS, CTX tokens (32K) of a request per row): "
+        "ONCE_CALLS calls of each "
         "--once-lib build, for a profiler (ncu -k regex:attention_kernel -s 2 -c 1)",
     )
     ap.add_argument(
@@ -1004,12 +1005,13 @@ def main():
         for case in args.once.split(","):
             gen = torch.Generator(device="cuda")
             gen.manual_seed(1)
-            if case.startswith("sel:"):  # a selection case of SEL_LAYOUTS, 32K context
-                _, name, rows = case.split(":")
+            if case.startswith("sel:"):  # a selection case of SEL_LAYOUTS (sel:LAYOUT:R[:CTX])
+                _, name, rows, *ctx = case.split(":")
                 dt, Cp, layers, ost, tpad = SEL_LAYOUTS[name]
-                R = int(rows)
-                a = select_case(R, dt, Cp, layers, ost, tpad, gen, ctx=32768, P=R * 50,
-                                bad=False, integer=False, B=R)  # fmt: skip
+                R, ctx = int(rows), int(ctx[0]) if ctx else 32768
+                a = select_case(R, dt, Cp, layers, ost, tpad, gen, ctx=ctx,
+                                P=R * (ctx * 50 // 32768), bad=False, integer=False,
+                                B=R)  # fmt: skip
             else:  # an attention case of ATT_LAYOUTS on a 512K-token pool
                 name, rows = case.split(":")
                 dt, kdt, ps, packed, layers, ist, tpad, gate = ATT_LAYOUTS[name]

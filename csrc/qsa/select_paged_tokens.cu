@@ -85,7 +85,10 @@ constexpr int kScoreChunk = kWarpChunk * (kGroupThreads / 32);  // blocks per gr
 // dealt over padded pages instead (page_chunks): Cp = C rounded up to 16 slots per page, the
 // slots past C scored by no one, so that a chunk lies in one page for vLLM's C = 196, 200, 392
 // (pages of 784, 800, 1568 tokens) too, at most 15 / C of the chunks' rows idle.
-constexpr int64_t kPaddedPageMin = 128;
+#ifndef QSA_PADDED_PAGE_MIN
+#define QSA_PADDED_PAGE_MIN 128
+#endif
+constexpr int64_t kPaddedPageMin = QSA_PADDED_PAGE_MIN;
 __host__ __device__ constexpr bool page_chunks(int64_t c) {
   return c % kWarpChunk == 0 || c >= kPaddedPageMin;
 }
