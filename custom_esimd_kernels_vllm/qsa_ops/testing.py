@@ -814,11 +814,11 @@ def _cpu_lists(*tensors: torch.Tensor) -> list[list]:
     return [t.detach().cpu().tolist() for t in tensors]
 
 
-def expected_selection_row(case: SelectCase, r: int, lists: list[list] | None = None):
+def expected_selection_row(case: SelectCase, r: int, lists: list | None = None):
     """(usable blocks, their float64 scores, n, nb, t) of row ``r``, or None when the row's
     request is invalid. Scores are sum_h relu(q.k) / sqrt(128) in float64. ``lists`` caches
-    the integer inputs as Python lists (see _selection_lists)."""
-    page_table, token_to_req, positions, lengths = lists or _selection_lists(case)
+    the integer inputs as Python lists and q and the keys on the CPU (see _selection_lists)."""
+    page_table, token_to_req, positions, lengths, keys_cpu, q_cpu = lists or _selection_lists(case)
     num_requests = len(lengths)
     num_pages, per_page = case.compressed_key_cache.shape[:2]
     b = token_to_req[r]
@@ -837,18 +837,24 @@ def expected_selection_row(case: SelectCase, r: int, lists: list[list] | None = 
     if usable:
         phys = torch.tensor([page_table[b][j // per_page] for j in usable])
         slots = torch.tensor([j % per_page for j in usable])
-        keys = case.compressed_key_cache.detach().cpu()[phys, slots, 0].double()  # [U, 128]
-        qr = case.q.detach().cpu()[r].double()  # [4, 128]
+        keys = keys_cpu[phys, slots, 0].double()  # [U, 128]
+        qr = q_cpu[r].double()  # [4, 128]
         scores = (qr @ keys.T).clamp_min(0.0).sum(dim=0) / math.sqrt(INDEX_DIM)
     else:
         scores = torch.zeros(0, dtype=torch.float64)
     return usable, scores, n, nb, t
 
 
-def _selection_lists(case: SelectCase) -> list[list]:
-    return _cpu_lists(
-        case.page_table, case.token_to_req, case.query_positions, case.sequence_lengths
-    )
+def _selection_lists(case: SelectCase) -> list:
+    """The inputs a row's expectation reads, copied off the device once per check, not once
+    per row (the key cache of an R = 300 case is copied once, not 300 times)."""
+    return [
+        *_cpu_lists(
+            case.page_table, case.token_to_req, case.query_positions, case.sequence_lengths
+        ),
+        case.compressed_key_cache.detach().cpu(),
+        case.q.detach().cpu(),
+    ]
 
 
 def check_selection(case: SelectCase, out: torch.Tensor, exact: bool | None = None) -> None:
