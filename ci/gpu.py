@@ -66,6 +66,11 @@ def sanitizer(env: Env, pyenv: dict[str, str], cwd: Path, tool: str) -> None:
         )
 
 
+def wheel_manifest(site: Path) -> dict[str, Any]:
+    """The provenance manifest of the wheel installed in ``site``."""
+    return json.loads((site / PACKAGE / provenance.MANIFEST_NAME).read_text())
+
+
 def bench_json(
     env: Env, path: Path, pyenv: dict[str, str], cwd: Path, commit: str
 ) -> dict[str, Any]:
@@ -204,7 +209,7 @@ def kernels(env: Env) -> None:
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     evidence = provenance_check(env, pyenv, site, scratch)
-    manifest = json.loads((site / PACKAGE / provenance.MANIFEST_NAME).read_text())
+    manifest = wheel_manifest(site)
     commit = str((manifest.get("git") or {}).get("commit"))
     checks = env.details["checks"] = {"provenance": "passed"}
     junit, timing = DIST / "junit-kernels.xml", DIST / "gpu-timing.json"
@@ -297,5 +302,10 @@ def bench(env: Env) -> None:
         raise Skipped(why)
     pyenv: dict[str, str] = {}
     if args.wheel or list(DIST.glob("*.whl")):
-        _, pyenv = install_wheel(env, the_wheel(args.wheel))
+        site, pyenv = install_wheel(env, the_wheel(args.wheel))
+        # the commit the wheel was built from (the GPU host's tree may have no git history,
+        # or another commit's), as the timing check names it
+        commit = (wheel_manifest(site).get("git") or {}).get("commit")
+        if commit and not any(a == "--commit" or a.startswith("--commit=") for a in rest):
+            rest = [*rest, "--commit", str(commit)]
     env.run("python", "-m", f"{PACKAGE}.bench", *rest, env=pyenv)

@@ -326,6 +326,36 @@ def test_gpu_watchdog_names_the_test_that_never_returns(tmp_path):
     assert not log.exists() and gpu.watchdog_stop(log) == ""
 
 
+def test_bench_names_the_wheels_commit(pipeline, tmp_path, monkeypatch):
+    """On a wheel, the bench step records the commit the wheel was built from (the GPU
+    host's tree may have another commit's git state), unless --commit is given."""
+    from ci import gpu
+
+    site = tmp_path / "site"
+    (site / layout.PACKAGE).mkdir(parents=True)
+    manifest = site / layout.PACKAGE / layout.provenance.MANIFEST_NAME
+    manifest.write_text(json.dumps({"git": {"commit": "abc123"}}))
+    monkeypatch.setattr(gpu, "cuda_device", lambda: (True, ""))
+    monkeypatch.setattr(gpu, "install_wheel", lambda env, whl: (site, {"X": "1"}))
+    whl = tmp_path / "x.whl"
+    whl.write_bytes(b"")
+
+    class FakeEnv:
+        def __init__(self, posargs):
+            self.posargs, self.calls = posargs, []
+
+        def run(self, *args, env=None):
+            self.calls.append((list(args), env))
+
+    for given, want in (([], "abc123"), (["--commit", "def456"], "def456")):
+        env = FakeEnv(["--wheel", str(whl), "--grid", "dtype", *given])
+        gpu.bench(env)
+        ((args, pyenv),) = env.calls
+        assert args[:3] == ["python", "-m", f"{layout.PACKAGE}.bench"]
+        assert args.count("--commit") == 1 and args[args.index("--commit") + 1] == want
+        assert "--grid" in args and pyenv == {"X": "1"}
+
+
 def test_kernels_checks_are_chosen_by_name(pipeline):
     from ci import gpu
 
