@@ -41,9 +41,9 @@ TINY_CONFIG = CI / "gsm8k" / "configs" / "tiny-qsa.json"
 RELEASE_CONFIG = CI / "gsm8k" / "configs" / "qwen4exp-qsa-tp8.json"
 GATE_REQUIREMENTS = CI / "gsm8k" / "requirements.txt"
 # The tiny checkpoint is vLLM's own Qwen4Exp (ci/make_tiny_qwen4exp.py), QSA on our operators:
-# bfloat16 (vLLM's QSA requires it), prefix caching off (vLLM 0.32.0 serves an all-QSA model
-# only so).
-TINY_SERVER_ARGS = ("--dtype", "bfloat16", "--no-enable-prefix-caching")
+# bfloat16 (vLLM's QSA requires it: the server's default arguments), prefix caching off (vLLM
+# 0.32.0 serves an all-QSA model only so).
+TINY_SERVER_ARGS = ("--no-enable-prefix-caching",)
 
 
 def _load(name: str) -> Any:

@@ -41,7 +41,6 @@ from vllm_server import VLLMServerError  # noqa: E402
 SHORT = (3, 61, 517, 1100)
 LONG = (2100, 2600)
 SERVER_TIMEOUT = float(os.environ.get("QSA_E2E_SERVER_TIMEOUT", "600"))
-BF16 = ("--dtype", "bfloat16")
 ONE_SHOT = ("--max-num-batched-tokens", "4096")
 NO_PREFIX_CACHE = ("--no-enable-prefix-caching",)
 CHUNK = 64
@@ -111,7 +110,7 @@ def served(tiny_qwen4exp) -> Served:
     run = Served(prompts={n: prompt(n, seed=3) for n in SHORT + LONG})
     # A: default compilation mode, one-shot prefill
     server = QSAServer(
-        tiny_qwen4exp, timeout=SERVER_TIMEOUT, extra_args=[*BF16, *ONE_SHOT, *NO_PREFIX_CACHE]
+        tiny_qwen4exp, timeout=SERVER_TIMEOUT, extra_args=[*ONE_SHOT, *NO_PREFIX_CACHE]
     )
     with server as url:
         run.announced["A"] = _announced(server)
@@ -172,7 +171,7 @@ def test_chunked_prefill_equals_one_shot_overlay_alone(served, tiny_qwen4exp):
     overlay (QSA_E2E_OVERLAY=1); this server then loads no plugin, so the overlay alone must
     route Qwen4Exp to our operators (its log says so)."""
     overlay_only = {"VLLM_PLUGINS": ""} if os.environ.get("QSA_E2E_OVERLAY") == "1" else {}
-    args = [*BF16, *NO_PREFIX_CACHE, "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "8"]
+    args = [*NO_PREFIX_CACHE, "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "8"]
     server = QSAServer(
         tiny_qwen4exp, eager=True, timeout=SERVER_TIMEOUT, env=overlay_only, extra_args=args
     )
@@ -190,7 +189,7 @@ def test_preemption_and_eager_equal_compiled(served, tiny_qwen4exp):
     cannot all stay resident: one is preempted, and the answers == one by one."""
     names = [prompt(PREEMPT_LENGTH, seed=10 + i) for i in range(PREEMPT_PROMPTS)]
     tiny_kv = ["--num-gpu-blocks-override", "12", "--max-model-len", "2304"]
-    args = [*BF16, *ONE_SHOT, *NO_PREFIX_CACHE, *tiny_kv]
+    args = [*ONE_SHOT, *NO_PREFIX_CACHE, *tiny_kv]
     fits = [n for n in served.prompts if n + NEW_TOKENS <= 2304]
     with QSAServer(tiny_qwen4exp, eager=True, timeout=SERVER_TIMEOUT, extra_args=args) as url:
         eager = {n: greedy(url, served.prompts[n]) for n in fits}
@@ -233,7 +232,7 @@ def test_tensor_parallel_2(tiny_qwen4exp_tp2):
     server = QSAServer(
         tiny_qwen4exp_tp2,
         timeout=SERVER_TIMEOUT,
-        extra_args=[*BF16, *ONE_SHOT, *NO_PREFIX_CACHE, "--tensor-parallel-size", "2"],
+        extra_args=[*ONE_SHOT, *NO_PREFIX_CACHE, "--tensor-parallel-size", "2"],
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per rank
     )
     with server as url:
@@ -254,7 +253,7 @@ def test_fp8_kv_cache_within_transformers_band(tiny_qwen4exp):
     from qwen4exp_reference import transformers_logprobs
 
     prompts = {n: prompt(n, seed=8) for n in (61, 2100)}
-    args = [*BF16, *ONE_SHOT, *NO_PREFIX_CACHE, "--kv-cache-dtype", "fp8"]
+    args = [*ONE_SHOT, *NO_PREFIX_CACHE, "--kv-cache-dtype", "fp8"]
     server = QSAServer(tiny_qwen4exp, eager=True, timeout=SERVER_TIMEOUT, extra_args=args)
     with server as url:
         announced = _announced(server)
@@ -270,9 +269,7 @@ def test_mixed_model_with_prefix_caching(tiny_qwen4exp_mixed):
     vLLM keeps the Gated DeltaNet layer's state only where the cached part ends, so a prompt
     sharing a shorter prefix finds nothing (measured: sharing 1024 tokens, no hit)."""
     ids = prompt(2100, seed=6)
-    with QSAServer(
-        tiny_qwen4exp_mixed, timeout=SERVER_TIMEOUT, extra_args=[*BF16, *ONE_SHOT]
-    ) as url:
+    with QSAServer(tiny_qwen4exp_mixed, timeout=SERVER_TIMEOUT, extra_args=[*ONE_SHOT]) as url:
         first = greedy(url, ids)
         counts = [metric(url, PREFIX_HIT)]
         again = greedy(url, ids)
@@ -292,7 +289,7 @@ def test_rank_outside_the_contract_is_refused_at_load(tiny_qwen4exp_tp2):
     """The 6-query / 2-KV-head checkpoint at TP = 1: 6 / 2 heads on one rank, refused while
     the model is built, with the numbers (and the server exits: no fallback)."""
     server = QSAServer(
-        tiny_qwen4exp_tp2, eager=True, timeout=SERVER_TIMEOUT, extra_args=[*BF16, *NO_PREFIX_CACHE]
+        tiny_qwen4exp_tp2, eager=True, timeout=SERVER_TIMEOUT, extra_args=[*NO_PREFIX_CACHE]
     )
     with pytest.raises(VLLMServerError, match="before it became healthy"):
         with server:
