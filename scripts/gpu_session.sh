@@ -8,6 +8,12 @@
 #         -> results/gpu-validation.json
 #   bash scripts/gpu_session.sh bench [BENCH ARGS]
 #       = python3 -m ci.pipeline bench [BENCH ARGS]
+#   bash scripts/gpu_session.sh ab OUTDIR CASES BUILDS [TIME ARGS]
+#       candidates side by side on the development shims that scripts/build_v2_harness.sh
+#       built into .harness: scripts/v2_harness.py --check (every build against the float64 /
+#       bit-exact references), --once CASES --once-lib BUILDS under ncu (kernel durations,
+#       clocks locked) and its --ab-report, then --time TIME ARGS (graph replay) when given;
+#       logs and JSON under OUTDIR
 #
 # WHEEL defaults to the one dist/*.whl; PYTHON (default python3) is the interpreter with torch.
 set -euo pipefail
@@ -25,10 +31,32 @@ case "$MODE" in
     exec "$PY" -m ci.pipeline kernels "$@" ;;
   bench)
     exec "$PY" -m ci.pipeline bench "$@" ;;
+  ab)
+    if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+      echo "usage: $0 ab OUTDIR CASES BUILDS [TIME ARGS] (scripts/v2_harness.py --help: CASES,"
+      echo "BUILDS, TIME ARGS)"
+      exit 0
+    fi
+    [[ $# -ge 3 ]] || { echo "usage: $0 ab OUTDIR CASES BUILDS [TIME ARGS]" >&2; exit 2; }
+    out=$1 cases=$2 builds=$3
+    shift 3
+    mkdir -p "$out"
+    status=0
+    echo "== checks (every build)"
+    "$PY" scripts/v2_harness.py --check --out "$out" 2>&1 | tee "$out/check.log" | tail -3 || status=1
+    echo "== ncu: $cases x $builds"
+    ncu --csv --metrics gpu__time_duration.sum -k "regex:attention|select_kernel" \
+      "$PY" scripts/v2_harness.py --once "$cases" --once-lib "$builds" > "$out/ab.log" 2>&1 || status=1
+    "$PY" scripts/v2_harness.py --ab-report "$out/ab.log" | tee "$out/ab.txt" || status=1
+    if [[ $# -gt 0 ]]; then
+      echo "== graph replay: $*"
+      "$PY" scripts/v2_harness.py --time --out "$out" "$@" 2>&1 | tee "$out/time.log" || status=1
+    fi
+    exit "$status" ;;
   -h|--help)
-    echo "usage: $0 validate [WHEEL] [PYTEST ARGS] | bench [BENCH ARGS]"
+    echo "usage: $0 validate [WHEEL] [PYTEST ARGS] | bench [BENCH ARGS] | ab OUTDIR CASES BUILDS [TIME ARGS]"
     echo "(validate --help, bench --help: the step's own arguments)" ;;
   *)
-    echo "usage: $0 validate [WHEEL] [PYTEST ARGS] | bench [BENCH ARGS]" >&2
+    echo "usage: $0 validate [WHEEL] [PYTEST ARGS] | bench [BENCH ARGS] | ab OUTDIR CASES BUILDS [TIME ARGS]" >&2
     exit 2 ;;
 esac
