@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ctypes as C
 import faulthandler
+import functools
 import json
 import math
 import statistics
@@ -977,7 +978,8 @@ def main():
         "--once",
         default="",
         metavar="CASES",
-        help="comma list of LAYOUT:R (attention, ATT_LAYOUTS, 512K-token pool) or "
+        help="comma list of LAYOUT:R[:SPLITS] (attention, ATT_LAYOUTS, 512K-token pool; SPLITS "
+        "CTAs per row, default the library's choice) or "
         "sel:LAYOUT:R[:CTX] (selection, SEL_LAYOUTS, CTX tokens (32K) of a request per row): "
         "ONCE_CALLS calls of each "
         "--once-lib build, for a profiler (ncu -k regex:attention_kernel -s 2 -c 1)",
@@ -1029,10 +1031,10 @@ def main():
                 a = select_case(R, dt, Cp, layers, ost, tpad, gen, ctx=ctx,
                                 P=R * (ctx * 50 // 32768), bad=False, integer=False,
                                 B=R)  # fmt: skip
-            else:  # an attention case of ATT_LAYOUTS on a 512K-token pool
-                name, rows = case.split(":")
+            else:  # an attention case of ATT_LAYOUTS on a 512K-token pool (LAYOUT:R[:SPLITS])
+                name, rows, *sp = case.split(":")
                 dt, kdt, ps, packed, layers, ist, tpad, gate = ATT_LAYOUTS[name]
-                R = int(rows)
+                R, splits = int(rows), int(sp[0]) if sp else 0
                 a = attention_case(R, dt, kdt, ps, packed, layers, ist, tpad, gate, gen,
                                    ctx=1 << 19, holes=False, bad=False)  # fmt: skip
             for lname in args.once_lib.split(","):
@@ -1041,8 +1043,8 @@ def main():
                     lib.reserve_select(R, a["table"].shape[1], Cp)
                     call = lib.select
                 else:
-                    lib.reserve_attention(R)
-                    call = lib.attention
+                    lib.reserve_attention(R, splits)
+                    call = functools.partial(lib.attention, splits=splits)
                 for _ in range(ONCE_CALLS):
                     call(a)
                 torch.cuda.synchronize()
