@@ -71,6 +71,12 @@ def wheel_manifest(site: Path) -> dict[str, Any]:
     return json.loads((site / PACKAGE / provenance.MANIFEST_NAME).read_text())
 
 
+def built_commit(manifest: dict[str, Any]) -> str | None:
+    """The commit a wheel was built from, as its manifest records it (None if it has none)."""
+    commit = (manifest.get("git") or {}).get("commit")
+    return None if commit is None else str(commit)
+
+
 def bench_json(
     env: Env, path: Path, pyenv: dict[str, str], cwd: Path, commit: str
 ) -> dict[str, Any]:
@@ -210,7 +216,7 @@ def kernels(env: Env) -> None:
     scratch.mkdir(parents=True)
     evidence = provenance_check(env, pyenv, site, scratch)
     manifest = wheel_manifest(site)
-    commit = str((manifest.get("git") or {}).get("commit"))
+    commit = str(built_commit(manifest))
     checks = env.details["checks"] = {"provenance": "passed"}
     junit, timing = DIST / "junit-kernels.xml", DIST / "gpu-timing.json"
     junit.unlink(missing_ok=True)
@@ -305,7 +311,7 @@ def bench(env: Env) -> None:
         site, pyenv = install_wheel(env, the_wheel(args.wheel))
         # the commit the wheel was built from (the GPU host's tree may have no git history,
         # or another commit's), as the timing check names it
-        commit = (wheel_manifest(site).get("git") or {}).get("commit")
+        commit = built_commit(wheel_manifest(site))
         if commit and not any(a == "--commit" or a.startswith("--commit=") for a in rest):
             rest = [*rest, "--commit", str(commit)]
     env.run("python", "-m", f"{PACKAGE}.bench", *rest, env=pyenv)

@@ -949,7 +949,10 @@ def ab_report(log: Path):
             lead = 0.0
     calls = sum(n for _, _, n in order)
     if calls != len(times):
-        print(f"ab-report: {calls} calls but {len(times)} kernels profiled (one per call?)")
+        print(
+            f"ab-report: {calls} calls but {len(times)} profiled (a call: its leading kernels "
+            f"{LEADING_KERNELS} and one more)"
+        )
         return 1
     k, table = 0, {}
     for case, lname, n in order:
@@ -982,7 +985,7 @@ def main():
         "CTAs per row, default the library's choice) or "
         "sel:LAYOUT:R[:CTX] (selection, SEL_LAYOUTS, CTX tokens (32K) of a request per row): "
         "ONCE_CALLS calls of each "
-        "--once-lib build, for a profiler (ncu -k regex:attention_kernel -s 2 -c 1)",
+        "--once-lib build, for a profiler (ncu -k regex:attention|select_kernel)",
     )
     ap.add_argument(
         "--once-lib", default="new", help="--once's builds: new, old or alt_NAME, comma list"
