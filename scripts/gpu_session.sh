@@ -9,11 +9,12 @@
 #   bash scripts/gpu_session.sh bench [BENCH ARGS]
 #       = python3 -m ci.pipeline bench [BENCH ARGS]
 #   bash scripts/gpu_session.sh ab OUTDIR CASES BUILDS [TIME ARGS]
-#       candidates side by side on the development shims that scripts/build_v2_harness.sh
-#       built into .harness: scripts/v2_harness.py --check (every build against the float64 /
-#       bit-exact references), --once CASES --once-lib BUILDS under ncu (kernel durations,
-#       clocks locked) and its --ab-report, then --time TIME ARGS (graph replay) when given;
-#       logs and JSON under OUTDIR
+#       candidates (BUILDS: alt_NAME, comma list) of the development shims that
+#       scripts/build_v2_harness.sh built into .harness, each in its own processes beside this
+#       tree's build (new): scripts/v2_harness.py --check (against the float64 / bit-exact
+#       references), --once CASES under ncu (kernel durations, clocks locked) and its
+#       --ab-report, then --time TIME ARGS (graph replay) when given; logs and JSON under
+#       OUTDIR/NAME
 #
 # WHEEL defaults to the one dist/*.whl; PYTHON (default python3) is the interpreter with torch.
 set -euo pipefail
@@ -40,18 +41,28 @@ case "$MODE" in
     [[ $# -ge 3 ]] || { echo "usage: $0 ab OUTDIR CASES BUILDS [TIME ARGS]" >&2; exit 2; }
     out=$1 cases=$2 builds=$3
     shift 3
-    mkdir -p "$out"
     status=0
-    echo "== checks (every build)"
-    "$PY" scripts/v2_harness.py --check --out "$out" 2>&1 | tee "$out/check.log" | tail -3 || status=1
-    echo "== ncu: $cases x $builds"
-    ncu --csv --metrics gpu__time_duration.sum -k "regex:attention|select_kernel" \
-      "$PY" scripts/v2_harness.py --once "$cases" --once-lib "$builds" > "$out/ab.log" 2>&1 || status=1
-    "$PY" scripts/v2_harness.py --ab-report "$out/ab.log" | tee "$out/ab.txt" || status=1
-    if [[ $# -gt 0 ]]; then
-      echo "== graph replay: $*"
-      "$PY" scripts/v2_harness.py --time --out "$out" "$@" 2>&1 | tee "$out/time.log" || status=1
-    fi
+    # one process per candidate (--alts), each beside this tree's build (new): a fault in
+    # one candidate stops only its own checks and timings
+    for b in ${builds//,/ }; do
+      [[ $b == new || $b == old ]] && continue
+      o="$out/$b"
+      mkdir -p "$o"
+      echo "== $b: checks (against float64 / bit-exact, beside new and the seed's build)"
+      "$PY" scripts/v2_harness.py --check --alts "$b" --out "$o" > "$o/check.log" 2>&1 || status=1
+      grep -E "^(checks:|FAIL)" "$o/check.log" | head -20 || true
+      echo "== $b: ncu, $cases"
+      ncu --csv --metrics gpu__time_duration.sum -k "regex:attention|select_kernel" \
+        "$PY" scripts/v2_harness.py --once "$cases" --once-lib "new,$b" --alts "$b" \
+        > "$o/ab.log" 2>&1 || status=1
+      "$PY" scripts/v2_harness.py --ab-report "$o/ab.log" | tee "$o/ab.txt" || status=1
+      if [[ $# -gt 0 ]]; then
+        echo "== $b: graph replay: $*"
+        "$PY" scripts/v2_harness.py --time --alts "$b" --out "$o" "$@" > "$o/time.log" 2>&1 ||
+          status=1
+        grep -E "( new | $b )" "$o/time.log" || true
+      fi
+    done
     exit "$status" ;;
   -h|--help)
     echo "usage: $0 validate [WHEEL] [PYTEST ARGS] | bench [BENCH ARGS] | ab OUTDIR CASES BUILDS [TIME ARGS]"

@@ -1002,6 +1002,13 @@ def main():
         "--suite-libs", default="", help="--suite's builds (new, alt_NAME; comma list; default all)"
     )
     ap.add_argument(
+        "--alts",
+        default="",
+        metavar="NAMES",
+        help="load only these candidate builds (alt_NAME, comma list; default every "
+        ".harness/libqsa_alt_*.so): one build per process, so that a fault stops only its own",
+    )
+    ap.add_argument(
         "--ab-report",
         default="",
         metavar="LOG",
@@ -1014,10 +1021,14 @@ def main():
     new = Lib(ROOT / ".harness/libqsa_new.so", True)
     old = Lib(ROOT / ".harness/libqsa_old.so", False)
     # candidate variants of this tree (.harness/libqsa_alt*.so), timed beside it
+    keep = {n for n in args.alts.split(",") if n}
     alt = {
         f.stem.removeprefix("libqsa_"): Lib(f, True)
         for f in sorted((ROOT / ".harness").glob("libqsa_alt*.so"))
+        if not keep or f.stem.removeprefix("libqsa_") in keep
     }
+    if keep - set(alt):
+        sys.exit(f"--alts: no build {', '.join(sorted(keep - set(alt)))} in .harness")
     if args.suite:
         libs = {"new": new, **alt}
         keep = [n for n in args.suite_libs.split(",") if n] or list(libs)
