@@ -45,6 +45,28 @@
 #ifndef QSA_SELECT_FP8_DEPTH
 #define QSA_SELECT_FP8_DEPTH 4
 #endif
+// v40 (candidate, off by default): QSA_SELECT_SPLIT=1 splits a float8 launch whose rows
+// outnumber the SMs in two: the scores alone by 256-thread CTAs, QSA_SELECT_SPLIT_CTAS per SM
+// (<= 80 registers at QSA_SELECT_SPLIT_DEPTH chunks in flight per warp: 24 warps per SM
+// instead of 16), QSA_SELECT_SPLIT_WIDE CTAs per row; then each row's select by one 512-thread
+// CTA, launched behind the scores with PDL: QSA_SELECT_SPLIT=1, it waits for the whole scoring
+// launch (griddepcontrol.wait); 2, for its own row's scoring CTAs (their arrivals on the row's
+// counter), so that the first rows' selects overlap the last rows' scores.
+#ifndef QSA_SELECT_SPLIT
+#define QSA_SELECT_SPLIT 0
+#endif
+#ifndef QSA_SELECT_SPLIT_CTAS
+#define QSA_SELECT_SPLIT_CTAS 3
+#endif
+#ifndef QSA_SELECT_SPLIT_DEPTH
+#define QSA_SELECT_SPLIT_DEPTH 2
+#endif
+#ifndef QSA_SELECT_SPLIT_WIDE
+#define QSA_SELECT_SPLIT_WIDE 4
+#endif
+#ifndef QSA_SELECT_SPLIT_SELECT_CTAS  // a resident row's select CTAs per SM (registers)
+#define QSA_SELECT_SPLIT_SELECT_CTAS 1
+#endif
 
 namespace qsa {
 // NOTES: a named namespace, not an anonymous one: nvcc names anonymous-namespace kernels
@@ -78,6 +100,12 @@ constexpr int kGroupThreads = 256;             // a page group: 8 warps x 16 blo
 constexpr int kGroups = kThreads / kGroupThreads;
 constexpr int kWarpChunk = 16;                 // blocks a warp scores at a time (mma rows)
 constexpr int kScoreChunk = kWarpChunk * (kGroupThreads / 32);  // blocks per group iteration
+// The parts of a select launch (v40): scores and select (kPartAll); the scores alone
+// (kPartScores: one page group per CTA, no arrival; a launch with streamed rows folds each
+// warp's largest key into the row's slot); the select alone (kPartSelect: one CTA per row,
+// after a kPartScores launch of the same rows).
+constexpr int kPartAll = 0, kPartScores = 1, kPartSelect = 2;
+constexpr bool kSplitSpin = QSA_SELECT_SPLIT == 2;
 // NOTES (contract v2): a page holds C keys (any C >= 1). A group iteration scores kScoreChunk
 // consecutive blocks (one seed page); a warp's 16-block chunk lies in one page when C is a
 // multiple of 16 (one page-table entry per chunk, as in the seed), else each lane looks up
@@ -298,6 +326,16 @@ __device__ __forceinline__ int block_inclusive_scan(int x, int* warp_sums) {
 // A tile of a row's keys: thread t holds blocks base + (u * kThreads + t) * 4 + (0..3), u < 8
 // (keys written by other CTAs of this launch: read through L2). Missing blocks read as 0.
 constexpr int kTile = kThreads * 4 * kStreamUnroll;  // 16384 blocks
+
+// A launch whose table can hold more than kTile blocks: its rows may be streamed.
+__host__ __device__ constexpr bool streamed_launch(int64_t ncap) { return ncap > kTile; }
+
+// The scoring CTAs of each row of a split launch (v40; its rows outnumber the SMs).
+__host__ __device__ constexpr int64_t split_score_ctas(int64_t ncap) {
+  const int64_t most = streamed_launch(ncap) ? (ncap + kScoreChunk - 1) / kScoreChunk
+                                             : ncap / kWarpChunk;
+  return most < 1 ? 1 : (most < QSA_SELECT_SPLIT_WIDE ? most : QSA_SELECT_SPLIT_WIDE);
+}
 
 // The words of a row's keys in the workspace: its candidate blocks rounded up to 4, so that
 // every row starts 16-byte aligned (load_tile reads 4 keys per load) for any M * C (C = 129,
@@ -670,15 +708,25 @@ __device__ __forceinline__ void select_pairs(const uint32_t* K, int nv, int64_t 
 // T: the element type of q and the keys (__half, __nv_bfloat16, __nv_fp8_e4m3).
 // kPageChunks: page_chunks(C): the loop's chunks are 16 slots of one padded page (cdiv: the
 // padded page's Cp slots; v38), else of the row's blocks (cdiv: C).
-template <typename T, bool kStreamed, bool kPageChunks>
-__global__ void __launch_bounds__(kThreads, 1)
-    select_kernel(SelectParams p, KeyDiv cdiv, int64_t row0, int64_t ncap,
-                  uint32_t* __restrict__ keys, int32_t* __restrict__ counters,
-                  uint32_t* __restrict__ dist, bool pairs) {
+// kPart: kPartAll, kPartScores or kPartSelect (v40).
+template <typename T, bool kStreamed, bool kPageChunks, int kPart>
+__device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& cdiv,
+                                           int64_t row0, int64_t ncap,
+                                           uint32_t* __restrict__ keys,
+                                           int32_t* __restrict__ counters,
+                                           uint32_t* __restrict__ dist, bool pairs) {
   constexpr int kLoads = key_loads<T>();
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+  constexpr bool kScores = kPart != kPartSelect;  // this part scores the row's blocks
+  // Page groups per CTA: kPartScores CTAs are one group (kGroupThreads threads).
+  constexpr int kCtaGroups = kPart == kPartScores ? 1 : kGroups;
   __shared__ SelectShared sh;
-  detail::grid_dependency_wait();  // before the first global access (a launch with pdl)
+  // Before the first global access (a launch with pdl). v40, kSplitSpin: a select CTA starts
+  // only once every scoring CTA has passed its own wait (allow_dependents below), and waits
+  // for its row's scores on the row's counter instead.
+  if constexpr (!(kSplitSpin && kPart == kPartSelect)) detail::grid_dependency_wait();
+  // v40: the select launch behind this one may take the SMs that its CTAs leave.
+  if constexpr (kPart == kPartScores) detail::allow_dependents();
   const int64_t rl = blockIdx.y;
   const int64_t r = row0 + rl;
   const int tid = threadIdx.x, lane = tid & 31;
@@ -694,9 +742,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Either way a warp's chunk lies in one page.
   const int64_t first = (int64_t(grp) * gridDim.x + blockIdx.x) * kScoreChunk;
   constexpr bool streamed = kStreamed;  // == streamed_launch(ncap)
-  const bool spread = !streamed && int64_t(gridDim.x) * kGroups * kScoreChunk > ncap;
+  const bool spread = !streamed && int64_t(gridDim.x) * kCtaGroups * kScoreChunk > ncap;
   const int64_t wfirst =
-      spread ? (int64_t(gwarp) * kGroups + grp) * gridDim.x * kWarpChunk +
+      spread ? (int64_t(gwarp) * kCtaGroups + grp) * gridDim.x * kWarpChunk +
                    int64_t(blockIdx.x) * kWarpChunk
              : first + kWarpChunk * gwarp;
 
@@ -711,7 +759,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // and the keys, so the dot products are unchanged.
   const T* q = static_cast<const T*>(p.q) + r * (kIndexHeads * kIndexDim);
   uint4 qv[4];
-  {
+  if constexpr (kScores) {
     const bool qvec = detail::aligned16(p.q);
     uint4 qraw[kLoads];
 #pragma unroll
@@ -728,7 +776,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool b_ok = b >= 0 && b < p.requests;
   const int32_t* table = p.page_table + (b_ok ? b : 0) * p.page_table_stride;
   const int64_t len = detail::ldg32_pred(p.sequence_lengths + (b_ok ? b : 0), b_ok, 0);
-  const int64_t stride = int64_t(gridDim.x) * kGroups * kScoreChunk;
+  const int64_t stride = int64_t(gridDim.x) * kCtaGroups * kScoreChunk;
   // The pages of the warp's first 2 kDepth chunks (the table's entries: the row's length is not
   // known yet; j < ncap: the table has the chunk's page, and with M = 0 there is none to read).
   // kPageChunks: one entry per chunk (a == b); else the pages of this lane's blocks j + g
@@ -759,11 +807,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   // bytes of a 2-byte chunk's; four chunks (v31) were 3-5 % slower than three (v32: ncu, H100,
   // R = 8 / 64 / 256); one less where each lane looks up its own pages (!kPageChunks), whose
   // four-chunk build spilled 8-16 bytes (the GPU suite's spill check, H200 run of v31).
+  // v40: kPartScores CTAs keep QSA_SELECT_SPLIT_DEPTH chunks in flight (their registers).
   constexpr int kDepth =
-      Elem<T>::kBytes == 1 ? (kPageChunks ? QSA_SELECT_FP8_DEPTH : QSA_SELECT_FP8_DEPTH - 1) : 2;
+      kPart == kPartScores
+          ? QSA_SELECT_SPLIT_DEPTH
+          : (Elem<T>::kBytes == 1 ? (kPageChunks ? QSA_SELECT_FP8_DEPTH : QSA_SELECT_FP8_DEPTH - 1)
+                                  : 2);
   int2 ph[2 * kDepth];
+  if constexpr (kScores) {
 #pragma unroll
-  for (int k = 0; k < 2 * kDepth; ++k) ph[k] = page_first(static_cast<Ix>(wfirst) + k * stride32);
+    for (int k = 0; k < 2 * kDepth; ++k) {
+      ph[k] = page_first(static_cast<Ix>(wfirst) + k * stride32);
+    }
+  }
   int64_t n = pos1 < len ? pos1 : len;
   n = n > 0 ? n : 0;
   const int64_t nb = n / kRatio;
@@ -930,6 +986,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Chunk k of a round of kDepth (j0 + k * stride) is scored from buffer k while chunk
   // k + kDepth - 1 goes out into buffer (k + kDepth - 1) % kDepth; pages are loaded
   // 2 kDepth chunks ahead (ph[i]: chunk j0 + i * stride).
+  if constexpr (kScores) {
 #pragma unroll
   for (int k = 0; k + 1 < kDepth; ++k) {
     const Ix j = static_cast<Ix>(wfirst) + k * stride32;
@@ -951,8 +1008,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       ph[k + kDepth] = ahead[k];
     }
   }
+  }  // kScores
 
-  if constexpr (!kStreamed) {
+  if constexpr (kPart == kPartScores) {
+    // v40: the row's largest key for its select (a launch with streamed rows); kSplitSpin: the
+    // CTA's arrival on the row's counter once all of its keys are stored.
+    if constexpr (kStreamed) {
+      kmax = __reduce_max_sync(0xffffffffu, kmax);
+      if (lane == 0 && kmax) {
+        atomicMax(reinterpret_cast<uint32_t*>(counters + kMaxKeySlot + rl), kmax);
+      }
+    }
+    if constexpr (kSplitSpin) {
+      __syncthreads();
+      if (tid == 0) detail::red_add_release_gpu(counters + rl, 1);
+    }
+    return;
+  }
+
+  if constexpr (!kStreamed && kPart == kPartAll) {
     if (pairs_row(pairs, b_ok, nbv)) {
       select_pairs(row_keys, static_cast<int>(nbv), n, nb, p.out + r * p.out_stride,
                    counters + kPairsSlot + rl * kPairsSpread, sh);
@@ -991,7 +1065,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid < 32) {
     const uint32_t m = __reduce_max_sync(
         0xffffffffu, lane < kWarps ? static_cast<uint32_t>(sh.scan[lane]) : 0u);
-    if (tid == 0) {
+    if (kSplitSpin && kPart == kPartSelect) {
+      if (tid == 0) {  // v40: the row's scoring CTAs have all arrived
+        const int score_ctas = static_cast<int>(split_score_ctas(ncap));
+        while (detail::ld_acquire_gpu(counters + rl) < score_ctas) {
+        }
+        sh.is_last = 1;
+        if (streamed) sh.maxkey = atomicExch(maxkey, 0u);  // after the acquire
+      }
+    } else if (tid == 0) {
       if (m && streamed) atomicMax(maxkey, m);  // ordered before the arrival's release
       const int before = atomic_add_acq_rel_gpu(counters + rl, 1);
       if (dist_row) {
@@ -1197,6 +1279,47 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+// The launch's kernels: 512-thread CTAs (kPartAll, kPartSelect) and the scores-only CTAs (v40).
+using KernelFn = void (*)(SelectParams, KeyDiv, int64_t, int64_t, uint32_t*, int32_t*,
+                          uint32_t*, bool);
+
+template <typename T, bool kStreamed, bool kPageChunks, int kPart>
+// v40: QSA_SELECT_SPLIT_SELECT_CTAS bounds a resident row's select CTAs (63 registers at 2,
+// spill-free; a streamed row's select spills 156 bytes there).
+__global__ void __launch_bounds__(kThreads, (kPart == kPartSelect && !kStreamed)
+                                                ? QSA_SELECT_SPLIT_SELECT_CTAS
+                                                : 1)
+    select_kernel(SelectParams p, KeyDiv cdiv, int64_t row0, int64_t ncap,
+                  uint32_t* __restrict__ keys, int32_t* __restrict__ counters,
+                  uint32_t* __restrict__ dist, bool pairs) {
+  select_row<T, kStreamed, kPageChunks, kPart>(p, cdiv, row0, ncap, keys, counters, dist, pairs);
+}
+
+template <typename T, bool kStreamed, bool kPageChunks>
+__global__ void __launch_bounds__(kGroupThreads, QSA_SELECT_SPLIT_CTAS)
+    select_kernel_scores(SelectParams p, KeyDiv cdiv, int64_t row0, int64_t ncap,
+                         uint32_t* __restrict__ keys, int32_t* __restrict__ counters,
+                         uint32_t* __restrict__ dist, bool pairs) {
+  select_row<T, kStreamed, kPageChunks, kPartScores>(p, cdiv, row0, ncap, keys, counters, dist,
+                                                     pairs);
+}
+
+// The split's parts exist for one page per chunk alone (split_launch): the scores-only
+// build of per-lane pages spills at 80 registers (44 bytes at depth 2).
+template <typename T, int kPart>
+KernelFn part_kernel(bool streamed, bool chunks) {
+  if constexpr (kPart == kPartScores) {
+    return streamed ? select_kernel_scores<T, true, true> : select_kernel_scores<T, false, true>;
+  } else if constexpr (kPart == kPartSelect) {
+    return streamed ? select_kernel<T, true, true, kPart> : select_kernel<T, false, true, kPart>;
+  } else {
+    return streamed ? (chunks ? select_kernel<T, true, true, kPart>
+                              : select_kernel<T, true, false, kPart>)
+                    : (chunks ? select_kernel<T, false, true, kPart>
+                              : select_kernel<T, false, false, kPart>);
+  }
+}
+
 int64_t candidate_blocks(int64_t table_width, int64_t c) { return table_width * c; }
 
 int64_t group_rows(int64_t rows, int64_t table_width, int64_t c) {
@@ -1207,30 +1330,38 @@ int64_t group_rows(int64_t rows, int64_t table_width, int64_t c) {
   return std::min<int64_t>(g, std::max<int64_t>(rows, 1));
 }
 
-// A launch whose table can hold more than kTile blocks: its rows may be streamed.
-bool streamed_launch(int64_t ncap) { return ncap > kTile; }
+
+// The split (v40): float8 keys, one page per chunk (the parts are built for those alone), more
+// rows than SMs.
+bool split_launch(DType dtype, int64_t c, int64_t rows, int64_t sms) {
+  return QSA_SELECT_SPLIT && dtype == DType::kFloat8E4M3 && page_chunks(c) && rows > sms;
+}
 
 template <typename T>
 cudaError_t launch_typed(const cudaLaunchConfig_t& cfg, const SelectParams& p,
                          const KeyDiv& cdiv, int64_t row0, int64_t ncap, uint32_t* keys,
-                         uint32_t* dist, bool pairs) {
-  const bool chunks = page_chunks(p.keys_per_page);
-  auto* kernel = streamed_launch(ncap)
-                     ? (chunks ? select_kernel<T, true, true> : select_kernel<T, true, false>)
-                     : (chunks ? select_kernel<T, false, true> : select_kernel<T, false, false>);
+                         uint32_t* dist, bool pairs, int part) {
+  const bool chunks = page_chunks(p.keys_per_page), streamed = streamed_launch(ncap);
+  KernelFn kernel = part_kernel<T, kPartAll>(streamed, chunks);
+  if constexpr (QSA_SELECT_SPLIT && std::is_same<T, __nv_fp8_e4m3>::value) {
+    if (part == kPartScores) kernel = part_kernel<T, kPartScores>(streamed, chunks);
+    if (part == kPartSelect) kernel = part_kernel<T, kPartSelect>(streamed, chunks);
+  } else if (part != kPartAll) {
+    return cudaErrorInvalidValue;
+  }
   return cudaLaunchKernelEx(&cfg, kernel, p, cdiv, row0, ncap, keys, p.counters, dist, pairs);
 }
 
 cudaError_t launch_select(const cudaLaunchConfig_t& cfg, const SelectParams& p,
                           const KeyDiv& cdiv, int64_t row0, int64_t ncap, uint32_t* keys,
-                          uint32_t* dist, bool pairs) {
+                          uint32_t* dist, bool pairs, int part = kPartAll) {
   switch (p.dtype) {
     case DType::kBFloat16:
-      return launch_typed<__nv_bfloat16>(cfg, p, cdiv, row0, ncap, keys, dist, pairs);
+      return launch_typed<__nv_bfloat16>(cfg, p, cdiv, row0, ncap, keys, dist, pairs, part);
     case DType::kFloat8E4M3:
-      return launch_typed<__nv_fp8_e4m3>(cfg, p, cdiv, row0, ncap, keys, dist, pairs);
+      return launch_typed<__nv_fp8_e4m3>(cfg, p, cdiv, row0, ncap, keys, dist, pairs, part);
     default:
-      return launch_typed<__half>(cfg, p, cdiv, row0, ncap, keys, dist, pairs);
+      return launch_typed<__half>(cfg, p, cdiv, row0, ncap, keys, dist, pairs, part);
   }
 }
 
@@ -1298,16 +1429,30 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     const int64_t per_row = n > sms ? wide : std::max<int64_t>(1, sms / n);
     // v7w: a launch without streamed rows spreads a short row over up to one CTA per warp
     // chunk (16 blocks) instead of one per page.
-    const int64_t ctas = std::min(
-        streamed_launch(ncap) ? chunks : std::max<int64_t>(1, ncap / kWarpChunk), per_row);
+    const bool split = split_launch(p.dtype, c, n, sms);  // v40
+    const int64_t ctas =
+        split ? split_score_ctas(ncap)
+              : std::min(streamed_launch(ncap) ? chunks : std::max<int64_t>(1, ncap / kWarpChunk),
+                         per_row);
     const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(n));
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
-    cfg.blockDim = dim3(kThreads);
+    cfg.blockDim = dim3(split ? kGroupThreads : kThreads);
     cfg.stream = stream;
     cudaLaunchAttribute attr[2];
     cfg.attrs = attr;
     if (p.pdl) attr[cfg.numAttrs++] = detail::pdl_attribute();
+    if (split) {  // v40: n > sms takes neither the distributed nor the pairs select
+      cudaError_t err = launch_select(cfg, p, cdiv, row0, ncap, keys, nullptr, false, kPartScores);
+      if (err == cudaSuccess) err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+      cfg.gridDim = dim3(1, static_cast<unsigned>(n));
+      cfg.blockDim = dim3(kThreads);
+      err = launch_select(cfg, p, cdiv, row0, ncap, keys, nullptr, false, kPartSelect);
+      if (err == cudaSuccess) err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+      continue;
+    }
     // NOTES: the distributed select and the pairs select wait for the row's other CTAs: the
     // grid must be resident at once (cooperative; refused where it is not, and the call then
     // runs the last-CTA select). Rows at most one per SM of the stream's partition make at
