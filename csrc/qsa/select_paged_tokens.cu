@@ -45,13 +45,15 @@
 #ifndef QSA_SELECT_FP8_DEPTH
 #define QSA_SELECT_FP8_DEPTH 4
 #endif
-// v40 (candidate, off by default): QSA_SELECT_SPLIT=1 splits a float8 launch whose rows
-// outnumber the SMs in two: the scores alone by 256-thread CTAs, QSA_SELECT_SPLIT_CTAS per SM
-// (<= 80 registers at QSA_SELECT_SPLIT_DEPTH chunks in flight per warp: 24 warps per SM
-// instead of 16), QSA_SELECT_SPLIT_WIDE CTAs per row; then each row's select by one 512-thread
-// CTA, launched behind the scores with PDL: QSA_SELECT_SPLIT=1, it waits for the whole scoring
-// launch (griddepcontrol.wait); 2, for its own row's scoring CTAs (their arrivals on the row's
-// counter), so that the first rows' selects overlap the last rows' scores.
+// v40 (candidate, off by default): QSA_SELECT_SPLIT=1 splits a float8 launch of at least
+// QSA_SELECT_SPLIT_MIN_ROWS rows in two: the scores alone by 256-thread CTAs,
+// QSA_SELECT_SPLIT_CTAS per SM (<= 80 registers at QSA_SELECT_SPLIT_DEPTH chunks in flight per
+// warp: 24 warps per SM instead of 16), QSA_SELECT_SPLIT_WIDE CTAs per row where the rows
+// outnumber the SMs, else as many as fill QSA_SELECT_SPLIT_CTAS per SM; then each row's select
+// by one 512-thread CTA, launched behind the scores with PDL: QSA_SELECT_SPLIT=1, it waits for
+// the whole scoring launch (griddepcontrol.wait); 2, for its own row's scoring CTAs (their
+// arrivals on the row's counter), so that the first rows' selects overlap the last rows'
+// scores.
 #ifndef QSA_SELECT_SPLIT
 #define QSA_SELECT_SPLIT 0
 #endif
@@ -63,6 +65,9 @@
 #endif
 #ifndef QSA_SELECT_SPLIT_WIDE
 #define QSA_SELECT_SPLIT_WIDE 4
+#endif
+#ifndef QSA_SELECT_SPLIT_MIN_ROWS
+#define QSA_SELECT_SPLIT_MIN_ROWS 33
 #endif
 #ifndef QSA_SELECT_SPLIT_SELECT_CTAS  // a resident row's select CTAs per SM (registers)
 #define QSA_SELECT_SPLIT_SELECT_CTAS 1
@@ -330,11 +335,14 @@ constexpr int kTile = kThreads * 4 * kStreamUnroll;  // 16384 blocks
 // A launch whose table can hold more than kTile blocks: its rows may be streamed.
 __host__ __device__ constexpr bool streamed_launch(int64_t ncap) { return ncap > kTile; }
 
-// The scoring CTAs of each row of a split launch (v40; its rows outnumber the SMs).
-__host__ __device__ constexpr int64_t split_score_ctas(int64_t ncap) {
+// The scoring CTAs of each row of a split launch of `rows` rows on `sms` SMs (v40).
+constexpr int64_t split_score_ctas(int64_t ncap, int64_t rows, int64_t sms) {
   const int64_t most = streamed_launch(ncap) ? (ncap + kScoreChunk - 1) / kScoreChunk
                                              : ncap / kWarpChunk;
-  return most < 1 ? 1 : (most < QSA_SELECT_SPLIT_WIDE ? most : QSA_SELECT_SPLIT_WIDE);
+  const int64_t want =
+      rows > sms ? QSA_SELECT_SPLIT_WIDE : QSA_SELECT_SPLIT_CTAS * sms / (rows > 0 ? rows : 1);
+  const int64_t ctas = most < want ? most : want;
+  return ctas < 1 ? 1 : ctas;
 }
 
 // The words of a row's keys in the workspace: its candidate blocks rounded up to 4, so that
@@ -714,7 +722,8 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
                                            int64_t row0, int64_t ncap,
                                            uint32_t* __restrict__ keys,
                                            int32_t* __restrict__ counters,
-                                           uint32_t* __restrict__ dist, bool pairs) {
+                                           uint32_t* __restrict__ dist, bool pairs,
+                                           int score_ctas) {
   constexpr int kLoads = key_loads<T>();
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   constexpr bool kScores = kPart != kPartSelect;  // this part scores the row's blocks
@@ -1067,7 +1076,6 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
         0xffffffffu, lane < kWarps ? static_cast<uint32_t>(sh.scan[lane]) : 0u);
     if (kSplitSpin && kPart == kPartSelect) {
       if (tid == 0) {  // v40: the row's scoring CTAs have all arrived
-        const int score_ctas = static_cast<int>(split_score_ctas(ncap));
         while (detail::ld_acquire_gpu(counters + rl) < score_ctas) {
         }
         sh.is_last = 1;
@@ -1280,8 +1288,9 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
 }
 
 // The launch's kernels: 512-thread CTAs (kPartAll, kPartSelect) and the scores-only CTAs (v40).
+// score_ctas: a kPartSelect launch's scoring CTAs per row (its arrivals, kSplitSpin).
 using KernelFn = void (*)(SelectParams, KeyDiv, int64_t, int64_t, uint32_t*, int32_t*,
-                          uint32_t*, bool);
+                          uint32_t*, bool, int);
 
 template <typename T, bool kStreamed, bool kPageChunks, int kPart>
 // v40: QSA_SELECT_SPLIT_SELECT_CTAS bounds a resident row's select CTAs (63 registers at 2,
@@ -1291,17 +1300,18 @@ __global__ void __launch_bounds__(kThreads, (kPart == kPartSelect && !kStreamed)
                                                 : 1)
     select_kernel(SelectParams p, KeyDiv cdiv, int64_t row0, int64_t ncap,
                   uint32_t* __restrict__ keys, int32_t* __restrict__ counters,
-                  uint32_t* __restrict__ dist, bool pairs) {
-  select_row<T, kStreamed, kPageChunks, kPart>(p, cdiv, row0, ncap, keys, counters, dist, pairs);
+                  uint32_t* __restrict__ dist, bool pairs, int score_ctas) {
+  select_row<T, kStreamed, kPageChunks, kPart>(p, cdiv, row0, ncap, keys, counters, dist, pairs,
+                                               score_ctas);
 }
 
 template <typename T, bool kStreamed, bool kPageChunks>
 __global__ void __launch_bounds__(kGroupThreads, QSA_SELECT_SPLIT_CTAS)
     select_kernel_scores(SelectParams p, KeyDiv cdiv, int64_t row0, int64_t ncap,
                          uint32_t* __restrict__ keys, int32_t* __restrict__ counters,
-                         uint32_t* __restrict__ dist, bool pairs) {
+                         uint32_t* __restrict__ dist, bool pairs, int score_ctas) {
   select_row<T, kStreamed, kPageChunks, kPartScores>(p, cdiv, row0, ncap, keys, counters, dist,
-                                                     pairs);
+                                                     pairs, score_ctas);
 }
 
 // The split's parts exist for one page per chunk alone (split_launch): the scores-only
@@ -1331,16 +1341,19 @@ int64_t group_rows(int64_t rows, int64_t table_width, int64_t c) {
 }
 
 
-// The split (v40): float8 keys, one page per chunk (the parts are built for those alone), more
-// rows than SMs.
-bool split_launch(DType dtype, int64_t c, int64_t rows, int64_t sms) {
-  return QSA_SELECT_SPLIT && dtype == DType::kFloat8E4M3 && page_chunks(c) && rows > sms;
+// The split (v40): float8 keys, one page per chunk (the parts are built for those alone), at
+// least QSA_SELECT_SPLIT_MIN_ROWS rows (more than the distributed and the pairs selects take).
+static_assert(QSA_SELECT_SPLIT_MIN_ROWS > kDistRows && QSA_SELECT_SPLIT_MIN_ROWS > kPairsMaxRows,
+              "a split launch takes neither the distributed nor the pairs select");
+bool split_launch(DType dtype, int64_t c, int64_t rows) {
+  return QSA_SELECT_SPLIT && dtype == DType::kFloat8E4M3 && page_chunks(c) &&
+         rows >= QSA_SELECT_SPLIT_MIN_ROWS;
 }
 
 template <typename T>
 cudaError_t launch_typed(const cudaLaunchConfig_t& cfg, const SelectParams& p,
                          const KeyDiv& cdiv, int64_t row0, int64_t ncap, uint32_t* keys,
-                         uint32_t* dist, bool pairs, int part) {
+                         uint32_t* dist, bool pairs, int part, int score_ctas) {
   const bool chunks = page_chunks(p.keys_per_page), streamed = streamed_launch(ncap);
   KernelFn kernel = part_kernel<T, kPartAll>(streamed, chunks);
   if constexpr (QSA_SELECT_SPLIT && std::is_same<T, __nv_fp8_e4m3>::value) {
@@ -1349,19 +1362,24 @@ cudaError_t launch_typed(const cudaLaunchConfig_t& cfg, const SelectParams& p,
   } else if (part != kPartAll) {
     return cudaErrorInvalidValue;
   }
-  return cudaLaunchKernelEx(&cfg, kernel, p, cdiv, row0, ncap, keys, p.counters, dist, pairs);
+  return cudaLaunchKernelEx(&cfg, kernel, p, cdiv, row0, ncap, keys, p.counters, dist, pairs,
+                            score_ctas);
 }
 
 cudaError_t launch_select(const cudaLaunchConfig_t& cfg, const SelectParams& p,
                           const KeyDiv& cdiv, int64_t row0, int64_t ncap, uint32_t* keys,
-                          uint32_t* dist, bool pairs, int part = kPartAll) {
+                          uint32_t* dist, bool pairs, int part = kPartAll,
+                          int score_ctas = 0) {
   switch (p.dtype) {
     case DType::kBFloat16:
-      return launch_typed<__nv_bfloat16>(cfg, p, cdiv, row0, ncap, keys, dist, pairs, part);
+      return launch_typed<__nv_bfloat16>(cfg, p, cdiv, row0, ncap, keys, dist, pairs, part,
+                                            score_ctas);
     case DType::kFloat8E4M3:
-      return launch_typed<__nv_fp8_e4m3>(cfg, p, cdiv, row0, ncap, keys, dist, pairs, part);
+      return launch_typed<__nv_fp8_e4m3>(cfg, p, cdiv, row0, ncap, keys, dist, pairs, part,
+                                            score_ctas);
     default:
-      return launch_typed<__half>(cfg, p, cdiv, row0, ncap, keys, dist, pairs, part);
+      return launch_typed<__half>(cfg, p, cdiv, row0, ncap, keys, dist, pairs, part,
+                                            score_ctas);
   }
 }
 
@@ -1429,9 +1447,9 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     const int64_t per_row = n > sms ? wide : std::max<int64_t>(1, sms / n);
     // v7w: a launch without streamed rows spreads a short row over up to one CTA per warp
     // chunk (16 blocks) instead of one per page.
-    const bool split = split_launch(p.dtype, c, n, sms);  // v40
+    const bool split = split_launch(p.dtype, c, n);  // v40
     const int64_t ctas =
-        split ? split_score_ctas(ncap)
+        split ? split_score_ctas(ncap, n, sms)
               : std::min(streamed_launch(ncap) ? chunks : std::max<int64_t>(1, ncap / kWarpChunk),
                          per_row);
     const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(n));
@@ -1442,13 +1460,14 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     cudaLaunchAttribute attr[2];
     cfg.attrs = attr;
     if (p.pdl) attr[cfg.numAttrs++] = detail::pdl_attribute();
-    if (split) {  // v40: n > sms takes neither the distributed nor the pairs select
+    if (split) {  // v40
       cudaError_t err = launch_select(cfg, p, cdiv, row0, ncap, keys, nullptr, false, kPartScores);
       if (err == cudaSuccess) err = cudaGetLastError();
       if (err != cudaSuccess) return err;
       cfg.gridDim = dim3(1, static_cast<unsigned>(n));
       cfg.blockDim = dim3(kThreads);
-      err = launch_select(cfg, p, cdiv, row0, ncap, keys, nullptr, false, kPartSelect);
+      err = launch_select(cfg, p, cdiv, row0, ncap, keys, nullptr, false, kPartSelect,
+                          static_cast<int>(ctas));
       if (err == cudaSuccess) err = cudaGetLastError();
       if (err != cudaSuccess) return err;
       continue;
