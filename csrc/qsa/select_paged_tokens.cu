@@ -1408,10 +1408,14 @@ size_t select_workspace_bytes(int64_t rows, int64_t table_width, int64_t c) {
 // Arrivals, largest keys, then the pairs select's epoch counters.
 int64_t select_counter_slots() { return kPairsSlot + kPairsMaxRows * kPairsSpread; }
 
-int64_t select_launch_count(int64_t rows, int64_t table_width, int64_t c) {
+int64_t select_launch_count(int64_t rows, int64_t table_width, int64_t c, DType dtype) {
   if (rows <= 0) return 0;
   const int64_t g = group_rows(rows, table_width, c);
-  return (rows + g - 1) / g;
+  int64_t launches = 0;
+  for (int64_t row0 = 0; row0 < rows; row0 += g) {
+    launches += split_launch(dtype, c, std::min<int64_t>(g, rows - row0)) ? 2 : 1;
+  }
+  return launches;
 }
 
 cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
