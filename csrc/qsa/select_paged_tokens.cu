@@ -205,6 +205,11 @@ static_assert(int64_t(kDigitBins) * kDigitBins >= kPairsWork,
               "a share (kc <= sqrt(kPairsWork) blocks) fits the histogram's shared words");
 static_assert((kPairsEpoch & (kPairsEpoch - 1)) == 0, "epochs divide 2^32");
 
+// A plain 32-bit global store through a pointer the compiler cannot see through (v40).
+__device__ __forceinline__ void st_global32(uint32_t* p, uint32_t v) {
+  asm volatile("st.global.u32 [%0], %1;\n" ::"l"(p), "r"(v));
+}
+
 // The first digit of key (> 0) in a row whose largest key is maxkey.
 __device__ __forceinline__ uint32_t first_digit(uint32_t key, uint32_t top) {
   const int d = int(key >> kDigitShift) - int(top) + (kDigitBins - 1);  // top = maxkey >> shift
@@ -908,30 +913,9 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   constexpr bool kPipe = true;  // keys are 16-byte aligned (contract v2)
   uint4 bufa[kDepth][kLoads], bufb[kDepth][kLoads];
   uint32_t kmax = 0;  // the largest key this thread stored
-  // Chunk j0 on page ph from (ca, cb); chunk j0 + (kDepth - 1) * stride (page ph_next) issued
-  // into (na, nb4).
-  auto score_step = [&](Ix j0, int2 ph, int2 ph_next, uint4(&ca)[kLoads],
-                        uint4(&cb)[kLoads], uint4(&na)[kLoads], uint4(&nb4)[kLoads]) {
-    const Ix j1 = j0 + (kDepth - 1) * stride32;
-    if (kPipe && j1 < nend32 && usable_chunk(ph_next)) issue(j1, ph_next, na, nb4);
-    // The row's blocks of rows g and g + 8 (kPageChunks: of the chunk's slots), and whether
-    // they are the row's.
-    Ix ja = j0 + g, jb = j0 + g + 8;
-    bool ina = ja < nbv32, inb = jb < nbv32;
-    if constexpr (kPageChunks) {
-      const ChunkRows cr = chunk_rows(j0);
-      ja = cr.first + g, jb = cr.first + g + 8;
-      ina = cr.base + g <= cr.last, inb = cr.base + g + 8 <= cr.last;
-      if (!usable_chunk(ph)) {
-        // Never read: an unusable block gets key 0 and can never be chosen.
-        if (lane < kWarpChunk && cr.base + lane <= cr.last) row_keys[cr.first + lane] = 0u;
-        return;
-      }
-    } else if (!usable_chunk(ph)) {
-      if (lane < kWarpChunk && j0 + lane < nbv32) row_keys[j0 + lane] = 0u;
-      return;
-    }
-    if (!kPipe) issue(j0, ph, ca, cb);
+  // The scores of a chunk's blocks g and g + 8 (summed over the heads after ReLU; lanes t = 0
+  // and 1 hold them) from its loaded rows.
+  auto chunk_scores = [&](uint4(&ca)[kLoads], uint4(&cb)[kLoads], float& lo, float& hi) {
     // NOTES: the first mma is made to depend on every load of this chunk (`zero` is 0 at
     // run time, unknown to the compiler), so that ptxas issues all 8 loads before it.
     uint32_t later = cb[0].x;
@@ -965,10 +949,37 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
     }
     // acc: (block g, heads 2t, 2t+1), (block g + 8, heads 2t, 2t+1); heads >= 4 are zero.
     // ReLU also maps -0.0 to +0.0.
-    float lo = (acc[0] > 0.f ? acc[0] : 0.f) + (acc[1] > 0.f ? acc[1] : 0.f);
-    float hi = (acc[2] > 0.f ? acc[2] : 0.f) + (acc[3] > 0.f ? acc[3] : 0.f);
+    lo = (acc[0] > 0.f ? acc[0] : 0.f) + (acc[1] > 0.f ? acc[1] : 0.f);
+    hi = (acc[2] > 0.f ? acc[2] : 0.f) + (acc[3] > 0.f ? acc[3] : 0.f);
     lo += __shfl_xor_sync(0xffffffffu, lo, 1);
     hi += __shfl_xor_sync(0xffffffffu, hi, 1);
+  };
+  // Chunk j0 on page ph from (ca, cb); chunk j0 + (kDepth - 1) * stride (page ph_next) issued
+  // into (na, nb4).
+  auto score_step = [&](Ix j0, int2 ph, int2 ph_next, uint4(&ca)[kLoads],
+                        uint4(&cb)[kLoads], uint4(&na)[kLoads], uint4(&nb4)[kLoads]) {
+    const Ix j1 = j0 + (kDepth - 1) * stride32;
+    if (kPipe && j1 < nend32 && usable_chunk(ph_next)) issue(j1, ph_next, na, nb4);
+    // The row's blocks of rows g and g + 8 (kPageChunks: of the chunk's slots), and whether
+    // they are the row's.
+    Ix ja = j0 + g, jb = j0 + g + 8;
+    bool ina = ja < nbv32, inb = jb < nbv32;
+    if constexpr (kPageChunks) {
+      const ChunkRows cr = chunk_rows(j0);
+      ja = cr.first + g, jb = cr.first + g + 8;
+      ina = cr.base + g <= cr.last, inb = cr.base + g + 8 <= cr.last;
+      if (!usable_chunk(ph)) {
+        // Never read: an unusable block gets key 0 and can never be chosen.
+        if (lane < kWarpChunk && cr.base + lane <= cr.last) row_keys[cr.first + lane] = 0u;
+        return;
+      }
+    } else if (!usable_chunk(ph)) {
+      if (lane < kWarpChunk && j0 + lane < nbv32) row_keys[j0 + lane] = 0u;
+      return;
+    }
+    if (!kPipe) issue(j0, ph, ca, cb);
+    float lo, hi;
+    chunk_scores(ca, cb, lo, hi);
     if (t == 0) {
       // kPageChunks: the chunk's page is usable (above); else each block's own page.
       const bool oka = kPageChunks || usable_page(ph.x), okb = kPageChunks || usable_page(ph.y);
@@ -995,7 +1006,98 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   // Chunk k of a round of kDepth (j0 + k * stride) is scored from buffer k while chunk
   // k + kDepth - 1 goes out into buffer (k + kDepth - 1) % kDepth; pages are loaded
   // 2 kDepth chunks ahead (ph[i]: chunk j0 + i * stride).
-  if constexpr (kScores) {
+  if constexpr (kPart == kPartScores && kPageChunks) {
+    // NOTES (v40): the scores-only part's loop, the same pipeline with lean index work: at 80
+    // registers the loop above recomputed 64-bit page, row and key addresses, the chunk's
+    // division twice and the row's key pointer per store (SASS: ~130 of its 216 instructions
+    // per chunk were integer). Here a chunk is (page, page row) from one 32 x 32 -> 64
+    // multiply, its rows' addresses products of 32-bit page and row ids off a byte pointer,
+    // page ids checked in 32 bits, the row's key and page-table pointers kept in registers.
+    // The row's key pointer, opaque to the compiler: kept in registers, not rebuilt from
+    // (keys, rl, ncap) at every store (SASS: 10 instructions a store).
+    uint32_t* rk = row_keys;
+    asm volatile("" : "+l"(rk));
+    const int32_t* tb = table;  // the same for the row's page-table entries
+    asm volatile("" : "+l"(tb));
+    auto page_lean = [&](Ix j) {  // loaded inside the loop: only pages of the row
+      return detail::ldg32_pred(tb + (j < nend32 ? cdiv.div32(j) : 0u), j < nend32, -1);
+    };
+    const char* ckb = reinterpret_cast<const char*>(ck + dim_offset<T>(0, t));
+    const uint64_t psb = static_cast<uint64_t>(p.ck_page_stride) * Elem<T>::kBytes;
+    const uint64_t rsb = static_cast<uint64_t>(p.ck_row_stride) * Elem<T>::kBytes;
+    // A page id is usable when 0 <= id < pages (a negative id is >= 2^31 as unsigned).
+    const uint32_t pages32 = p.pages > 0x7fffffff ? 0x80000000u : static_cast<uint32_t>(p.pages);
+    auto usable32 = [&](int32_t id) { return static_cast<uint32_t>(id) < pages32; };
+    struct Chunk {
+      Ix first, base, rows;  // the row's block of its first slot, that slot's page row, and
+                             // how many of its 16 slots are the row's blocks (>= 1: j0 < nend)
+    };
+    auto chunk_of = [&](Ix j0) {
+      const Ix page = cdiv.div32(j0);
+      const Ix base = j0 - page * cdiv.d, first = page * C32 + base;
+      return Chunk{first, base, min(C32 - base, nbv32 - first)};
+    };
+    auto issue_lean = [&](Ix j0, int32_t id, uint4(&ra)[kLoads], uint4(&rb)[kLoads]) {
+      const Chunk ch = chunk_of(j0);
+      const char* pg = ckb + uint64_t(static_cast<uint32_t>(id)) * psb;
+      const char* pa = pg + uint64_t(ch.base + min(Ix(g), ch.rows - 1u)) * rsb;
+      const char* pb = pg + uint64_t(ch.base + min(Ix(g + 8), ch.rows - 1u)) * rsb;
+#pragma unroll
+      for (int s = 0; s < kLoads; ++s) {
+        const int o = (dim_offset<T>(s, t) - dim_offset<T>(0, t)) * Elem<T>::kBytes;
+        ra[s] = __ldg(reinterpret_cast<const uint4*>(pa + o));
+        rb[s] = __ldg(reinterpret_cast<const uint4*>(pb + o));
+      }
+    };
+    auto score_lean = [&](Ix j0, int32_t id, int32_t id_next, uint4(&ca)[kLoads],
+                          uint4(&cb)[kLoads], uint4(&na)[kLoads], uint4(&nb4)[kLoads]) {
+      const Ix j1 = j0 + (kDepth - 1) * stride32;
+      if (j1 < nend32 && usable32(id_next)) issue_lean(j1, id_next, na, nb4);
+      const Chunk ch = chunk_of(j0);
+      if (!usable32(id)) {  // never read: key 0, never chosen
+        if (lane < ch.rows && lane < kWarpChunk) st_global32(rk + ch.first + lane, 0u);
+        return;
+      }
+      float lo, hi;
+      chunk_scores(ca, cb, lo, hi);
+      if (t == 0) {
+        const uint32_t klo = __float_as_uint(lo * kScoreScale) + 1u;
+        const uint32_t khi = __float_as_uint(hi * kScoreScale) + 1u;
+        if (Ix(g) < ch.rows) {
+          st_global32(rk + ch.first + g, klo);
+          kmax = max(kmax, klo);
+        }
+        if (Ix(g + 8) < ch.rows) {
+          st_global32(rk + ch.first + g + 8, khi);
+          kmax = max(kmax, khi);
+        }
+      }
+    };
+#pragma unroll
+    for (int k = 0; k + 1 < kDepth; ++k) {
+      const Ix j = static_cast<Ix>(wfirst) + k * stride32;
+      if (j < nend32 && usable32(ph[k].x)) issue_lean(j, ph[k].x, bufa[k], bufb[k]);
+    }
+    for (Ix j0 = static_cast<Ix>(wfirst); j0 < nend32; j0 += kDepth * stride32) {
+      int2 ahead[kDepth];
+#pragma unroll
+      for (int k = 0; k < kDepth; ++k) {
+        const int32_t v = page_lean(j0 + (2 * kDepth + k) * stride32);
+        ahead[k] = int2{v, v};
+      }
+#pragma unroll
+      for (int k = 0; k < kDepth; ++k) {
+        if (k > 0 && j0 + k * stride32 >= nend32) break;
+        score_lean(j0 + k * stride32, ph[k].x, ph[k + kDepth - 1].x, bufa[k], bufb[k],
+                   bufa[(k + kDepth - 1) % kDepth], bufb[(k + kDepth - 1) % kDepth]);
+      }
+#pragma unroll
+      for (int k = 0; k < kDepth; ++k) {
+        ph[k] = ph[k + kDepth];
+        ph[k + kDepth] = ahead[k];
+      }
+    }
+  } else if constexpr (kScores) {
 #pragma unroll
   for (int k = 0; k + 1 < kDepth; ++k) {
     const Ix j = static_cast<Ix>(wfirst) + k * stride32;
