@@ -60,6 +60,14 @@
 #ifndef QSA_SELECT_SPLIT_CTAS
 #define QSA_SELECT_SPLIT_CTAS 3
 #endif
+// QSA_SELECT_SPLIT_2BYTE=1: float16 and bfloat16 launches split too, their scoring CTAs
+// QSA_SELECT_SPLIT_CTAS_2BYTE per SM (a chunk's rows are twice the registers).
+#ifndef QSA_SELECT_SPLIT_2BYTE
+#define QSA_SELECT_SPLIT_2BYTE 0
+#endif
+#ifndef QSA_SELECT_SPLIT_CTAS_2BYTE
+#define QSA_SELECT_SPLIT_CTAS_2BYTE 2
+#endif
 #ifndef QSA_SELECT_SPLIT_DEPTH
 #define QSA_SELECT_SPLIT_DEPTH 2
 #endif
@@ -111,6 +119,14 @@ constexpr int kScoreChunk = kWarpChunk * (kGroupThreads / 32);  // blocks per gr
 // after a kPartScores launch of the same rows).
 constexpr int kPartAll = 0, kPartScores = 1, kPartSelect = 2;
 constexpr bool kSplitSpin = QSA_SELECT_SPLIT == 2;
+// Whether a dtype's launches may split, and its scoring CTAs per SM.
+template <typename T>
+constexpr bool split_type() {
+  return QSA_SELECT_SPLIT && (std::is_same<T, __nv_fp8_e4m3>::value || QSA_SELECT_SPLIT_2BYTE);
+}
+constexpr int split_ctas_per_sm(bool float8) {
+  return float8 ? QSA_SELECT_SPLIT_CTAS : QSA_SELECT_SPLIT_CTAS_2BYTE;
+}
 // NOTES (contract v2): a page holds C keys (any C >= 1). A group iteration scores kScoreChunk
 // consecutive blocks (one seed page); a warp's 16-block chunk lies in one page when C is a
 // multiple of 16 (one page-table entry per chunk, as in the seed), else each lane looks up
@@ -341,11 +357,11 @@ constexpr int kTile = kThreads * 4 * kStreamUnroll;  // 16384 blocks
 __host__ __device__ constexpr bool streamed_launch(int64_t ncap) { return ncap > kTile; }
 
 // The scoring CTAs of each row of a split launch of `rows` rows on `sms` SMs (v40).
-constexpr int64_t split_score_ctas(int64_t ncap, int64_t rows, int64_t sms) {
+constexpr int64_t split_score_ctas(int64_t ncap, int64_t rows, int64_t sms, int per_sm) {
   const int64_t most = streamed_launch(ncap) ? (ncap + kScoreChunk - 1) / kScoreChunk
                                              : ncap / kWarpChunk;
   const int64_t want =
-      rows > sms ? QSA_SELECT_SPLIT_WIDE : QSA_SELECT_SPLIT_CTAS * sms / (rows > 0 ? rows : 1);
+      rows > sms ? QSA_SELECT_SPLIT_WIDE : per_sm * sms / (rows > 0 ? rows : 1);
   const int64_t ctas = most < want ? most : want;
   return ctas < 1 ? 1 : ctas;
 }
@@ -1408,7 +1424,7 @@ __global__ void __launch_bounds__(kThreads, (kPart == kPartSelect && !kStreamed)
 }
 
 template <typename T, bool kStreamed, bool kPageChunks>
-__global__ void __launch_bounds__(kGroupThreads, QSA_SELECT_SPLIT_CTAS)
+__global__ void __launch_bounds__(kGroupThreads, split_ctas_per_sm(Elem<T>::kBytes == 1))
     select_kernel_scores(SelectParams p, KeyDiv cdiv, int64_t row0, int64_t ncap,
                          uint32_t* __restrict__ keys, int32_t* __restrict__ counters,
                          uint32_t* __restrict__ dist, bool pairs, int score_ctas) {
@@ -1443,13 +1459,13 @@ int64_t group_rows(int64_t rows, int64_t table_width, int64_t c) {
 }
 
 
-// The split (v40): float8 keys, one page per chunk (the parts are built for those alone), at
-// least QSA_SELECT_SPLIT_MIN_ROWS rows. By default more than the distributed and the pairs
+// The split (v40): float8 keys (and 2-byte ones with QSA_SELECT_SPLIT_2BYTE), one page per
+// chunk (the parts are built for those alone), at least QSA_SELECT_SPLIT_MIN_ROWS rows. By default more than the distributed and the pairs
 // selects take (at most 8 and 4 rows); a lower bound (a development build) splits those
 // launches too, in their place.
 bool split_launch(DType dtype, int64_t c, int64_t rows) {
-  return QSA_SELECT_SPLIT && dtype == DType::kFloat8E4M3 && page_chunks(c) &&
-         rows >= QSA_SELECT_SPLIT_MIN_ROWS;
+  return QSA_SELECT_SPLIT && (dtype == DType::kFloat8E4M3 || QSA_SELECT_SPLIT_2BYTE) &&
+         page_chunks(c) && rows >= QSA_SELECT_SPLIT_MIN_ROWS;
 }
 
 template <typename T>
@@ -1458,7 +1474,7 @@ cudaError_t launch_typed(const cudaLaunchConfig_t& cfg, const SelectParams& p,
                          uint32_t* dist, bool pairs, int part, int score_ctas) {
   const bool chunks = page_chunks(p.keys_per_page), streamed = streamed_launch(ncap);
   KernelFn kernel = part_kernel<T, kPartAll>(streamed, chunks);
-  if constexpr (QSA_SELECT_SPLIT && std::is_same<T, __nv_fp8_e4m3>::value) {
+  if constexpr (split_type<T>()) {
     if (part == kPartScores) kernel = part_kernel<T, kPartScores>(streamed, chunks);
     if (part == kPartSelect) kernel = part_kernel<T, kPartSelect>(streamed, chunks);
   } else if (part != kPartAll) {
@@ -1555,7 +1571,7 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     // chunk (16 blocks) instead of one per page.
     const bool split = split_launch(p.dtype, c, n);  // v40
     const int64_t ctas =
-        split ? split_score_ctas(ncap, n, sms)
+        split ? split_score_ctas(ncap, n, sms, split_ctas_per_sm(p.dtype == DType::kFloat8E4M3))
               : std::min(streamed_launch(ncap) ? chunks : std::max<int64_t>(1, ncap / kWarpChunk),
                          per_row);
     const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(n));
