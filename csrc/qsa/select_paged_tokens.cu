@@ -62,6 +62,10 @@
 #endif
 // QSA_SELECT_SPLIT_2BYTE=1: float16 and bfloat16 launches split too, their scoring CTAs
 // QSA_SELECT_SPLIT_CTAS_2BYTE per SM (a chunk's rows are twice the registers).
+// QSA_SELECT_LEAN=1: the fused kernel scores with the scores-only part's lean loop too.
+#ifndef QSA_SELECT_LEAN
+#define QSA_SELECT_LEAN 0
+#endif
 #ifndef QSA_SELECT_SPLIT_2BYTE
 #define QSA_SELECT_SPLIT_2BYTE 0
 #endif
@@ -1022,7 +1026,7 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   // Chunk k of a round of kDepth (j0 + k * stride) is scored from buffer k while chunk
   // k + kDepth - 1 goes out into buffer (k + kDepth - 1) % kDepth; pages are loaded
   // 2 kDepth chunks ahead (ph[i]: chunk j0 + i * stride).
-  if constexpr (kPart == kPartScores && kPageChunks) {
+  if constexpr ((kPart == kPartScores || QSA_SELECT_LEAN) && kPageChunks) {
     // NOTES (v40): the scores-only part's loop, the same pipeline with lean index work: at 80
     // registers the loop above recomputed 64-bit page, row and key addresses, the chunk's
     // division twice and the row's key pointer per store (SASS: ~130 of its 216 instructions
