@@ -1027,14 +1027,15 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   // k + kDepth - 1 goes out into buffer (k + kDepth - 1) % kDepth; pages are loaded
   // 2 kDepth chunks ahead (ph[i]: chunk j0 + i * stride).
   if constexpr ((kPart == kPartScores || QSA_SELECT_LEAN) && kPageChunks) {
-    // NOTES (v40): the scores-only part's loop, the same pipeline with lean index work: at 80
-    // registers the loop above recomputed 64-bit page, row and key addresses, the chunk's
-    // division twice and the row's key pointer per store (SASS: ~130 of its 216 instructions
-    // per chunk were integer). Here a chunk is (page, page row) from one 32 x 32 -> 64
-    // multiply, its rows' addresses products of 32-bit page and row ids off a byte pointer,
-    // page ids checked in 32 bits, the row's key and page-table pointers kept in registers.
-    // The row's key pointer, opaque to the compiler: kept in registers, not rebuilt from
-    // (keys, rl, ncap) at every store (SASS: 10 instructions a store).
+    // NOTES (v40): the lean loop of the scores-only part (and of the fused kernel with
+    // QSA_SELECT_LEAN), the same pipeline as the loop below with lighter index work: at 80
+    // registers that loop recomputed 64-bit page, row and key addresses, the chunk's division
+    // twice and the row's key pointer per store (SASS: ~130 of its 216 instructions per chunk
+    // were integer). Here a chunk is (page, page row) from one 32 x 32 -> 64 multiply, its
+    // rows' addresses products of 32-bit page and row ids off a byte pointer, page ids checked
+    // in 32 bits. The row's key and page-table pointers are opaque to the compiler, so they
+    // stay in registers instead of being rebuilt from (keys, rl, ncap) at every store (SASS:
+    // 10 instructions a store).
     uint32_t* rk = row_keys;
     asm volatile("" : "+l"(rk));
     const int32_t* tb = table;  // the same for the row's page-table entries
