@@ -1026,7 +1026,9 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   // Chunk k of a round of kDepth (j0 + k * stride) is scored from buffer k while chunk
   // k + kDepth - 1 goes out into buffer (k + kDepth - 1) % kDepth; pages are loaded
   // 2 kDepth chunks ahead (ph[i]: chunk j0 + i * stride).
-  if constexpr ((kPart == kPartScores || QSA_SELECT_LEAN) && kPageChunks) {
+  // (QSA_SELECT_LEAN: the fused kernel's loop; a kPartSelect CTA scores nothing)
+  constexpr bool kLean = kPart == kPartScores || (QSA_SELECT_LEAN && kPart == kPartAll);
+  if constexpr (kLean && kPageChunks) {
     // NOTES (v40): the lean loop of the scores-only part (and of the fused kernel with
     // QSA_SELECT_LEAN), the same pipeline as the loop below with lighter index work: at 80
     // registers that loop recomputed 64-bit page, row and key addresses, the chunk's division
