@@ -887,8 +887,16 @@ QSA_EXPORT int qsa_attention_splits(int64_t rows, int device) {
   return qsa::attention_splits(rows, requested, device);
 }
 QSA_EXPORT const char* qsa_attention_splits_error() { return splits_error.c_str(); }
-QSA_EXPORT int64_t qsa_select_launch_count(int64_t rows, int64_t table_width) {
-  return qsa::select_launch_count(rows, table_width);
+// dtype: the name of q's torch dtype ("torch.float8_e4m3fn"); -1 for a dtype the selection
+// does not take.
+QSA_EXPORT int64_t qsa_select_launch_count(int64_t rows, int64_t table_width,
+                                           int64_t keys_per_page, const char* dtype) {
+  for (const ScalarType t : {ScalarType::Half, ScalarType::BFloat16, kFp8}) {
+    if (dtype != nullptr && dtype_name(t) == dtype) {
+      return qsa::select_launch_count(rows, table_width, keys_per_page, kernel_dtype(t));
+    }
+  }
+  return -1;
 }
 QSA_EXPORT int64_t qsa_attention_launch_count(int64_t rows) {
   return qsa::attention_launch_count(rows);

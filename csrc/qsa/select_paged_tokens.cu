@@ -45,6 +45,46 @@
 #ifndef QSA_SELECT_FP8_DEPTH
 #define QSA_SELECT_FP8_DEPTH 4
 #endif
+// v40 (measured in v42, off by default): QSA_SELECT_SPLIT=1 splits a float8 launch of at least
+// QSA_SELECT_SPLIT_MIN_ROWS rows in two: the scores alone by 256-thread CTAs,
+// QSA_SELECT_SPLIT_CTAS per SM (<= 80 registers at QSA_SELECT_SPLIT_DEPTH chunks in flight per
+// warp: 24 warps per SM instead of 16), QSA_SELECT_SPLIT_WIDE CTAs per row where the rows
+// outnumber the SMs, else as many as fill QSA_SELECT_SPLIT_CTAS per SM; then each row's select
+// by one 512-thread CTA, launched behind the scores with PDL: QSA_SELECT_SPLIT=1, it waits for
+// the whole scoring launch (griddepcontrol.wait); 2, for its own row's scoring CTAs (their
+// arrivals on the row's counter), so that the first rows' selects overlap the last rows'
+// scores.
+#ifndef QSA_SELECT_SPLIT
+#define QSA_SELECT_SPLIT 0
+#endif
+#ifndef QSA_SELECT_SPLIT_CTAS
+#define QSA_SELECT_SPLIT_CTAS 3
+#endif
+// QSA_SELECT_SPLIT_2BYTE=1: float16 and bfloat16 launches split too, their scoring CTAs
+// QSA_SELECT_SPLIT_CTAS_2BYTE per SM (a chunk's rows are twice the registers).
+// QSA_SELECT_LEAN=1 (v42: adopted, 1.5-4.3 % less time on the H100): the fused kernel scores
+// with the scores-only part's lean loop too.
+#ifndef QSA_SELECT_LEAN
+#define QSA_SELECT_LEAN 1
+#endif
+#ifndef QSA_SELECT_SPLIT_2BYTE
+#define QSA_SELECT_SPLIT_2BYTE 0
+#endif
+#ifndef QSA_SELECT_SPLIT_CTAS_2BYTE
+#define QSA_SELECT_SPLIT_CTAS_2BYTE 2
+#endif
+#ifndef QSA_SELECT_SPLIT_DEPTH
+#define QSA_SELECT_SPLIT_DEPTH 2
+#endif
+#ifndef QSA_SELECT_SPLIT_WIDE
+#define QSA_SELECT_SPLIT_WIDE 4
+#endif
+#ifndef QSA_SELECT_SPLIT_MIN_ROWS
+#define QSA_SELECT_SPLIT_MIN_ROWS 33
+#endif
+#ifndef QSA_SELECT_SPLIT_SELECT_CTAS  // a resident row's select CTAs per SM (registers)
+#define QSA_SELECT_SPLIT_SELECT_CTAS 1
+#endif
 
 namespace qsa {
 // NOTES: a named namespace, not an anonymous one: nvcc names anonymous-namespace kernels
@@ -78,6 +118,20 @@ constexpr int kGroupThreads = 256;             // a page group: 8 warps x 16 blo
 constexpr int kGroups = kThreads / kGroupThreads;
 constexpr int kWarpChunk = 16;                 // blocks a warp scores at a time (mma rows)
 constexpr int kScoreChunk = kWarpChunk * (kGroupThreads / 32);  // blocks per group iteration
+// The parts of a select launch (v40): scores and select (kPartAll); the scores alone
+// (kPartScores: one page group per CTA, no arrival; a launch with streamed rows folds each
+// warp's largest key into the row's slot); the select alone (kPartSelect: one CTA per row,
+// after a kPartScores launch of the same rows).
+constexpr int kPartAll = 0, kPartScores = 1, kPartSelect = 2;
+constexpr bool kSplitSpin = QSA_SELECT_SPLIT == 2;
+// Whether a dtype's launches may split, and its scoring CTAs per SM.
+template <typename T>
+constexpr bool split_type() {
+  return QSA_SELECT_SPLIT && (std::is_same<T, __nv_fp8_e4m3>::value || QSA_SELECT_SPLIT_2BYTE);
+}
+constexpr int split_ctas_per_sm(bool float8) {
+  return float8 ? QSA_SELECT_SPLIT_CTAS : QSA_SELECT_SPLIT_CTAS_2BYTE;
+}
 // NOTES (contract v2): a page holds C keys (any C >= 1). A group iteration scores kScoreChunk
 // consecutive blocks (one seed page); a warp's 16-block chunk lies in one page when C is a
 // multiple of 16 (one page-table entry per chunk, as in the seed), else each lane looks up
@@ -171,6 +225,11 @@ constexpr int64_t kPairsSlot = 2 * kCounterSlots;
 static_assert(int64_t(kDigitBins) * kDigitBins >= kPairsWork,
               "a share (kc <= sqrt(kPairsWork) blocks) fits the histogram's shared words");
 static_assert((kPairsEpoch & (kPairsEpoch - 1)) == 0, "epochs divide 2^32");
+
+// A plain 32-bit global store through a pointer the compiler cannot see through (v40).
+__device__ __forceinline__ void st_global32(uint32_t* p, uint32_t v) {
+  asm volatile("st.global.u32 [%0], %1;\n" ::"l"(p), "r"(v));
+}
 
 // The first digit of key (> 0) in a row whose largest key is maxkey.
 __device__ __forceinline__ uint32_t first_digit(uint32_t key, uint32_t top) {
@@ -298,6 +357,19 @@ __device__ __forceinline__ int block_inclusive_scan(int x, int* warp_sums) {
 // A tile of a row's keys: thread t holds blocks base + (u * kThreads + t) * 4 + (0..3), u < 8
 // (keys written by other CTAs of this launch: read through L2). Missing blocks read as 0.
 constexpr int kTile = kThreads * 4 * kStreamUnroll;  // 16384 blocks
+
+// A launch whose table can hold more than kTile blocks: its rows may be streamed.
+__host__ __device__ constexpr bool streamed_launch(int64_t ncap) { return ncap > kTile; }
+
+// The scoring CTAs of each row of a split launch of `rows` rows on `sms` SMs (v40).
+constexpr int64_t split_score_ctas(int64_t ncap, int64_t rows, int64_t sms, int per_sm) {
+  const int64_t most = streamed_launch(ncap) ? (ncap + kScoreChunk - 1) / kScoreChunk
+                                             : ncap / kWarpChunk;
+  const int64_t want =
+      rows > sms ? QSA_SELECT_SPLIT_WIDE : per_sm * sms / (rows > 0 ? rows : 1);
+  const int64_t ctas = most < want ? most : want;
+  return ctas < 1 ? 1 : ctas;
+}
 
 // The words of a row's keys in the workspace: its candidate blocks rounded up to 4, so that
 // every row starts 16-byte aligned (load_tile reads 4 keys per load) for any M * C (C = 129,
@@ -670,15 +742,26 @@ __device__ __forceinline__ void select_pairs(const uint32_t* K, int nv, int64_t 
 // T: the element type of q and the keys (__half, __nv_bfloat16, __nv_fp8_e4m3).
 // kPageChunks: page_chunks(C): the loop's chunks are 16 slots of one padded page (cdiv: the
 // padded page's Cp slots; v38), else of the row's blocks (cdiv: C).
-template <typename T, bool kStreamed, bool kPageChunks>
-__global__ void __launch_bounds__(kThreads, 1)
-    select_kernel(SelectParams p, KeyDiv cdiv, int64_t row0, int64_t ncap,
-                  uint32_t* __restrict__ keys, int32_t* __restrict__ counters,
-                  uint32_t* __restrict__ dist, bool pairs) {
+// kPart: kPartAll, kPartScores or kPartSelect (v40).
+template <typename T, bool kStreamed, bool kPageChunks, int kPart>
+__device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& cdiv,
+                                           int64_t row0, int64_t ncap,
+                                           uint32_t* __restrict__ keys,
+                                           int32_t* __restrict__ counters,
+                                           uint32_t* __restrict__ dist, bool pairs,
+                                           int score_ctas) {
   constexpr int kLoads = key_loads<T>();
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+  constexpr bool kScores = kPart != kPartSelect;  // this part scores the row's blocks
+  // Page groups per CTA: kPartScores CTAs are one group (kGroupThreads threads).
+  constexpr int kCtaGroups = kPart == kPartScores ? 1 : kGroups;
   __shared__ SelectShared sh;
-  detail::grid_dependency_wait();  // before the first global access (a launch with pdl)
+  // Before the first global access (a launch with pdl). v40, kSplitSpin: a select CTA starts
+  // only once every scoring CTA has passed its own wait (allow_dependents below), and waits
+  // for its row's scores on the row's counter instead.
+  if constexpr (!(kSplitSpin && kPart == kPartSelect)) detail::grid_dependency_wait();
+  // v40: the select launch behind this one may take the SMs that its CTAs leave.
+  if constexpr (kPart == kPartScores) detail::allow_dependents();
   const int64_t rl = blockIdx.y;
   const int64_t r = row0 + rl;
   const int tid = threadIdx.x, lane = tid & 31;
@@ -694,9 +777,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Either way a warp's chunk lies in one page.
   const int64_t first = (int64_t(grp) * gridDim.x + blockIdx.x) * kScoreChunk;
   constexpr bool streamed = kStreamed;  // == streamed_launch(ncap)
-  const bool spread = !streamed && int64_t(gridDim.x) * kGroups * kScoreChunk > ncap;
+  const bool spread = !streamed && int64_t(gridDim.x) * kCtaGroups * kScoreChunk > ncap;
   const int64_t wfirst =
-      spread ? (int64_t(gwarp) * kGroups + grp) * gridDim.x * kWarpChunk +
+      spread ? (int64_t(gwarp) * kCtaGroups + grp) * gridDim.x * kWarpChunk +
                    int64_t(blockIdx.x) * kWarpChunk
              : first + kWarpChunk * gwarp;
 
@@ -711,7 +794,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // and the keys, so the dot products are unchanged.
   const T* q = static_cast<const T*>(p.q) + r * (kIndexHeads * kIndexDim);
   uint4 qv[4];
-  {
+  if constexpr (kScores) {
     const bool qvec = detail::aligned16(p.q);
     uint4 qraw[kLoads];
 #pragma unroll
@@ -728,7 +811,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool b_ok = b >= 0 && b < p.requests;
   const int32_t* table = p.page_table + (b_ok ? b : 0) * p.page_table_stride;
   const int64_t len = detail::ldg32_pred(p.sequence_lengths + (b_ok ? b : 0), b_ok, 0);
-  const int64_t stride = int64_t(gridDim.x) * kGroups * kScoreChunk;
+  const int64_t stride = int64_t(gridDim.x) * kCtaGroups * kScoreChunk;
   // The pages of the warp's first 2 kDepth chunks (the table's entries: the row's length is not
   // known yet; j < ncap: the table has the chunk's page, and with M = 0 there is none to read).
   // kPageChunks: one entry per chunk (a == b); else the pages of this lane's blocks j + g
@@ -759,11 +842,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   // bytes of a 2-byte chunk's; four chunks (v31) were 3-5 % slower than three (v32: ncu, H100,
   // R = 8 / 64 / 256); one less where each lane looks up its own pages (!kPageChunks), whose
   // four-chunk build spilled 8-16 bytes (the GPU suite's spill check, H200 run of v31).
+  // v40: kPartScores CTAs keep QSA_SELECT_SPLIT_DEPTH chunks in flight (their registers).
   constexpr int kDepth =
-      Elem<T>::kBytes == 1 ? (kPageChunks ? QSA_SELECT_FP8_DEPTH : QSA_SELECT_FP8_DEPTH - 1) : 2;
+      kPart == kPartScores
+          ? QSA_SELECT_SPLIT_DEPTH
+          : (Elem<T>::kBytes == 1 ? (kPageChunks ? QSA_SELECT_FP8_DEPTH : QSA_SELECT_FP8_DEPTH - 1)
+                                  : 2);
   int2 ph[2 * kDepth];
+  if constexpr (kScores) {
 #pragma unroll
-  for (int k = 0; k < 2 * kDepth; ++k) ph[k] = page_first(static_cast<Ix>(wfirst) + k * stride32);
+    for (int k = 0; k < 2 * kDepth; ++k) {
+      ph[k] = page_first(static_cast<Ix>(wfirst) + k * stride32);
+    }
+  }
   int64_t n = pos1 < len ? pos1 : len;
   n = n > 0 ? n : 0;
   const int64_t nb = n / kRatio;
@@ -843,30 +934,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr bool kPipe = true;  // keys are 16-byte aligned (contract v2)
   uint4 bufa[kDepth][kLoads], bufb[kDepth][kLoads];
   uint32_t kmax = 0;  // the largest key this thread stored
-  // Chunk j0 on page ph from (ca, cb); chunk j0 + (kDepth - 1) * stride (page ph_next) issued
-  // into (na, nb4).
-  auto score_step = [&](Ix j0, int2 ph, int2 ph_next, uint4(&ca)[kLoads],
-                        uint4(&cb)[kLoads], uint4(&na)[kLoads], uint4(&nb4)[kLoads]) {
-    const Ix j1 = j0 + (kDepth - 1) * stride32;
-    if (kPipe && j1 < nend32 && usable_chunk(ph_next)) issue(j1, ph_next, na, nb4);
-    // The row's blocks of rows g and g + 8 (kPageChunks: of the chunk's slots), and whether
-    // they are the row's.
-    Ix ja = j0 + g, jb = j0 + g + 8;
-    bool ina = ja < nbv32, inb = jb < nbv32;
-    if constexpr (kPageChunks) {
-      const ChunkRows cr = chunk_rows(j0);
-      ja = cr.first + g, jb = cr.first + g + 8;
-      ina = cr.base + g <= cr.last, inb = cr.base + g + 8 <= cr.last;
-      if (!usable_chunk(ph)) {
-        // Never read: an unusable block gets key 0 and can never be chosen.
-        if (lane < kWarpChunk && cr.base + lane <= cr.last) row_keys[cr.first + lane] = 0u;
-        return;
-      }
-    } else if (!usable_chunk(ph)) {
-      if (lane < kWarpChunk && j0 + lane < nbv32) row_keys[j0 + lane] = 0u;
-      return;
-    }
-    if (!kPipe) issue(j0, ph, ca, cb);
+  // The scores of a chunk's blocks g and g + 8 (summed over the heads after ReLU; lanes t = 0
+  // and 1 hold them) from its loaded rows.
+  auto chunk_scores = [&](uint4(&ca)[kLoads], uint4(&cb)[kLoads], float& lo, float& hi) {
     // NOTES: the first mma is made to depend on every load of this chunk (`zero` is 0 at
     // run time, unknown to the compiler), so that ptxas issues all 8 loads before it.
     uint32_t later = cb[0].x;
@@ -900,10 +970,37 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // acc: (block g, heads 2t, 2t+1), (block g + 8, heads 2t, 2t+1); heads >= 4 are zero.
     // ReLU also maps -0.0 to +0.0.
-    float lo = (acc[0] > 0.f ? acc[0] : 0.f) + (acc[1] > 0.f ? acc[1] : 0.f);
-    float hi = (acc[2] > 0.f ? acc[2] : 0.f) + (acc[3] > 0.f ? acc[3] : 0.f);
+    lo = (acc[0] > 0.f ? acc[0] : 0.f) + (acc[1] > 0.f ? acc[1] : 0.f);
+    hi = (acc[2] > 0.f ? acc[2] : 0.f) + (acc[3] > 0.f ? acc[3] : 0.f);
     lo += __shfl_xor_sync(0xffffffffu, lo, 1);
     hi += __shfl_xor_sync(0xffffffffu, hi, 1);
+  };
+  // Chunk j0 on page ph from (ca, cb); chunk j0 + (kDepth - 1) * stride (page ph_next) issued
+  // into (na, nb4).
+  auto score_step = [&](Ix j0, int2 ph, int2 ph_next, uint4(&ca)[kLoads],
+                        uint4(&cb)[kLoads], uint4(&na)[kLoads], uint4(&nb4)[kLoads]) {
+    const Ix j1 = j0 + (kDepth - 1) * stride32;
+    if (kPipe && j1 < nend32 && usable_chunk(ph_next)) issue(j1, ph_next, na, nb4);
+    // The row's blocks of rows g and g + 8 (kPageChunks: of the chunk's slots), and whether
+    // they are the row's.
+    Ix ja = j0 + g, jb = j0 + g + 8;
+    bool ina = ja < nbv32, inb = jb < nbv32;
+    if constexpr (kPageChunks) {
+      const ChunkRows cr = chunk_rows(j0);
+      ja = cr.first + g, jb = cr.first + g + 8;
+      ina = cr.base + g <= cr.last, inb = cr.base + g + 8 <= cr.last;
+      if (!usable_chunk(ph)) {
+        // Never read: an unusable block gets key 0 and can never be chosen.
+        if (lane < kWarpChunk && cr.base + lane <= cr.last) row_keys[cr.first + lane] = 0u;
+        return;
+      }
+    } else if (!usable_chunk(ph)) {
+      if (lane < kWarpChunk && j0 + lane < nbv32) row_keys[j0 + lane] = 0u;
+      return;
+    }
+    if (!kPipe) issue(j0, ph, ca, cb);
+    float lo, hi;
+    chunk_scores(ca, cb, lo, hi);
     if (t == 0) {
       // kPageChunks: the chunk's page is usable (above); else each block's own page.
       const bool oka = kPageChunks || usable_page(ph.x), okb = kPageChunks || usable_page(ph.y);
@@ -930,6 +1027,101 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Chunk k of a round of kDepth (j0 + k * stride) is scored from buffer k while chunk
   // k + kDepth - 1 goes out into buffer (k + kDepth - 1) % kDepth; pages are loaded
   // 2 kDepth chunks ahead (ph[i]: chunk j0 + i * stride).
+  // (QSA_SELECT_LEAN: the fused kernel's loop; a kPartSelect CTA scores nothing)
+  constexpr bool kLean = kPart == kPartScores || (QSA_SELECT_LEAN && kPart == kPartAll);
+  if constexpr (kLean && kPageChunks) {
+    // NOTES (v40): the lean loop of the scores-only part (and of the fused kernel with
+    // QSA_SELECT_LEAN), the same pipeline as the loop below with lighter index work: at 80
+    // registers that loop recomputed 64-bit page, row and key addresses, the chunk's division
+    // twice and the row's key pointer per store (SASS: ~130 of its 216 instructions per chunk
+    // were integer). Here a chunk is (page, page row) from one 32 x 32 -> 64 multiply, its
+    // rows' addresses products of 32-bit page and row ids off a byte pointer, page ids checked
+    // in 32 bits. The row's key and page-table pointers are opaque to the compiler, so they
+    // stay in registers instead of being rebuilt from (keys, rl, ncap) at every store (SASS:
+    // 10 instructions a store).
+    uint32_t* rk = row_keys;
+    asm volatile("" : "+l"(rk));
+    const int32_t* tb = table;  // the same for the row's page-table entries
+    asm volatile("" : "+l"(tb));
+    auto page_lean = [&](Ix j) {  // loaded inside the loop: only pages of the row
+      return detail::ldg32_pred(tb + (j < nend32 ? cdiv.div32(j) : 0u), j < nend32, -1);
+    };
+    const char* ckb = reinterpret_cast<const char*>(ck + dim_offset<T>(0, t));
+    const uint64_t psb = static_cast<uint64_t>(p.ck_page_stride) * Elem<T>::kBytes;
+    const uint64_t rsb = static_cast<uint64_t>(p.ck_row_stride) * Elem<T>::kBytes;
+    // A page id is usable when 0 <= id < pages (a negative id is >= 2^31 as unsigned).
+    const uint32_t pages32 = p.pages > 0x7fffffff ? 0x80000000u : static_cast<uint32_t>(p.pages);
+    auto usable32 = [&](int32_t id) { return static_cast<uint32_t>(id) < pages32; };
+    struct Chunk {
+      Ix first, base, rows;  // the row's block of its first slot, that slot's page row, and
+                             // how many of its 16 slots are the row's blocks (>= 1: j0 < nend)
+    };
+    auto chunk_of = [&](Ix j0) {
+      const Ix page = cdiv.div32(j0);
+      const Ix base = j0 - page * cdiv.d, first = page * C32 + base;
+      return Chunk{first, base, min(C32 - base, nbv32 - first)};
+    };
+    auto issue_lean = [&](Ix j0, int32_t id, uint4(&ra)[kLoads], uint4(&rb)[kLoads]) {
+      const Chunk ch = chunk_of(j0);
+      const char* pg = ckb + uint64_t(static_cast<uint32_t>(id)) * psb;
+      const char* pa = pg + uint64_t(ch.base + min(Ix(g), ch.rows - 1u)) * rsb;
+      const char* pb = pg + uint64_t(ch.base + min(Ix(g + 8), ch.rows - 1u)) * rsb;
+#pragma unroll
+      for (int s = 0; s < kLoads; ++s) {
+        const int o = (dim_offset<T>(s, t) - dim_offset<T>(0, t)) * Elem<T>::kBytes;
+        ra[s] = __ldg(reinterpret_cast<const uint4*>(pa + o));
+        rb[s] = __ldg(reinterpret_cast<const uint4*>(pb + o));
+      }
+    };
+    auto score_lean = [&](Ix j0, int32_t id, int32_t id_next, uint4(&ca)[kLoads],
+                          uint4(&cb)[kLoads], uint4(&na)[kLoads], uint4(&nb4)[kLoads]) {
+      const Ix j1 = j0 + (kDepth - 1) * stride32;
+      if (j1 < nend32 && usable32(id_next)) issue_lean(j1, id_next, na, nb4);
+      const Chunk ch = chunk_of(j0);
+      if (!usable32(id)) {  // never read: key 0, never chosen
+        if (lane < ch.rows && lane < kWarpChunk) st_global32(rk + ch.first + lane, 0u);
+        return;
+      }
+      float lo, hi;
+      chunk_scores(ca, cb, lo, hi);
+      if (t == 0) {
+        const uint32_t klo = __float_as_uint(lo * kScoreScale) + 1u;
+        const uint32_t khi = __float_as_uint(hi * kScoreScale) + 1u;
+        if (Ix(g) < ch.rows) {
+          st_global32(rk + ch.first + g, klo);
+          kmax = max(kmax, klo);
+        }
+        if (Ix(g + 8) < ch.rows) {
+          st_global32(rk + ch.first + g + 8, khi);
+          kmax = max(kmax, khi);
+        }
+      }
+    };
+#pragma unroll
+    for (int k = 0; k + 1 < kDepth; ++k) {
+      const Ix j = static_cast<Ix>(wfirst) + k * stride32;
+      if (j < nend32 && usable32(ph[k].x)) issue_lean(j, ph[k].x, bufa[k], bufb[k]);
+    }
+    for (Ix j0 = static_cast<Ix>(wfirst); j0 < nend32; j0 += kDepth * stride32) {
+      int2 ahead[kDepth];
+#pragma unroll
+      for (int k = 0; k < kDepth; ++k) {
+        const int32_t v = page_lean(j0 + (2 * kDepth + k) * stride32);
+        ahead[k] = int2{v, v};
+      }
+#pragma unroll
+      for (int k = 0; k < kDepth; ++k) {
+        if (k > 0 && j0 + k * stride32 >= nend32) break;
+        score_lean(j0 + k * stride32, ph[k].x, ph[k + kDepth - 1].x, bufa[k], bufb[k],
+                   bufa[(k + kDepth - 1) % kDepth], bufb[(k + kDepth - 1) % kDepth]);
+      }
+#pragma unroll
+      for (int k = 0; k < kDepth; ++k) {
+        ph[k] = ph[k + kDepth];
+        ph[k + kDepth] = ahead[k];
+      }
+    }
+  } else if constexpr (kScores) {
 #pragma unroll
   for (int k = 0; k + 1 < kDepth; ++k) {
     const Ix j = static_cast<Ix>(wfirst) + k * stride32;
@@ -951,8 +1143,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       ph[k + kDepth] = ahead[k];
     }
   }
+  }  // kScores
 
-  if constexpr (!kStreamed) {
+  if constexpr (kPart == kPartScores) {
+    // v40: the row's largest key for its select (a launch with streamed rows); kSplitSpin: the
+    // CTA's arrival on the row's counter once all of its keys are stored.
+    if constexpr (kStreamed) {
+      kmax = __reduce_max_sync(0xffffffffu, kmax);
+      if (lane == 0 && kmax) {
+        atomicMax(reinterpret_cast<uint32_t*>(counters + kMaxKeySlot + rl), kmax);
+      }
+    }
+    if constexpr (kSplitSpin) {
+      __syncthreads();
+      if (tid == 0) detail::red_add_release_gpu(counters + rl, 1);
+    }
+    return;
+  }
+
+  if constexpr (!kStreamed && kPart == kPartAll) {
     if (pairs_row(pairs, b_ok, nbv)) {
       select_pairs(row_keys, static_cast<int>(nbv), n, nb, p.out + r * p.out_stride,
                    counters + kPairsSlot + rl * kPairsSpread, sh);
@@ -991,7 +1200,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid < 32) {
     const uint32_t m = __reduce_max_sync(
         0xffffffffu, lane < kWarps ? static_cast<uint32_t>(sh.scan[lane]) : 0u);
-    if (tid == 0) {
+    if (kSplitSpin && kPart == kPartSelect) {
+      if (tid == 0) {  // v40: the row's scoring CTAs have all arrived
+        while (detail::ld_acquire_gpu(counters + rl) < score_ctas) {
+        }
+        sh.is_last = 1;
+        if (streamed) sh.maxkey = atomicExch(maxkey, 0u);  // after the acquire
+      }
+    } else if (tid == 0) {
       if (m && streamed) atomicMax(maxkey, m);  // ordered before the arrival's release
       const int before = atomic_add_acq_rel_gpu(counters + rl, 1);
       if (dist_row) {
@@ -1197,6 +1413,49 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+// The launch's kernels: 512-thread CTAs (kPartAll, kPartSelect) and the scores-only CTAs (v40).
+// score_ctas: a kPartSelect launch's scoring CTAs per row (its arrivals, kSplitSpin).
+using KernelFn = void (*)(SelectParams, KeyDiv, int64_t, int64_t, uint32_t*, int32_t*,
+                          uint32_t*, bool, int);
+
+template <typename T, bool kStreamed, bool kPageChunks, int kPart>
+// v40: QSA_SELECT_SPLIT_SELECT_CTAS bounds a resident row's select CTAs (63 registers at 2,
+// spill-free; a streamed row's select spills 156 bytes there).
+__global__ void __launch_bounds__(kThreads, (kPart == kPartSelect && !kStreamed)
+                                                ? QSA_SELECT_SPLIT_SELECT_CTAS
+                                                : 1)
+    select_kernel(SelectParams p, KeyDiv cdiv, int64_t row0, int64_t ncap,
+                  uint32_t* __restrict__ keys, int32_t* __restrict__ counters,
+                  uint32_t* __restrict__ dist, bool pairs, int score_ctas) {
+  select_row<T, kStreamed, kPageChunks, kPart>(p, cdiv, row0, ncap, keys, counters, dist, pairs,
+                                               score_ctas);
+}
+
+template <typename T, bool kStreamed, bool kPageChunks>
+__global__ void __launch_bounds__(kGroupThreads, split_ctas_per_sm(Elem<T>::kBytes == 1))
+    select_kernel_scores(SelectParams p, KeyDiv cdiv, int64_t row0, int64_t ncap,
+                         uint32_t* __restrict__ keys, int32_t* __restrict__ counters,
+                         uint32_t* __restrict__ dist, bool pairs, int score_ctas) {
+  select_row<T, kStreamed, kPageChunks, kPartScores>(p, cdiv, row0, ncap, keys, counters, dist,
+                                                     pairs, score_ctas);
+}
+
+// The split's parts exist for one page per chunk alone (split_launch): the scores-only
+// build of per-lane pages spills at 80 registers (44 bytes at depth 2).
+template <typename T, int kPart>
+KernelFn part_kernel(bool streamed, bool chunks) {
+  if constexpr (kPart == kPartScores) {
+    return streamed ? select_kernel_scores<T, true, true> : select_kernel_scores<T, false, true>;
+  } else if constexpr (kPart == kPartSelect) {
+    return streamed ? select_kernel<T, true, true, kPart> : select_kernel<T, false, true, kPart>;
+  } else {
+    return streamed ? (chunks ? select_kernel<T, true, true, kPart>
+                              : select_kernel<T, true, false, kPart>)
+                    : (chunks ? select_kernel<T, false, true, kPart>
+                              : select_kernel<T, false, false, kPart>);
+  }
+}
+
 int64_t candidate_blocks(int64_t table_width, int64_t c) { return table_width * c; }
 
 int64_t group_rows(int64_t rows, int64_t table_width, int64_t c) {
@@ -1207,30 +1466,46 @@ int64_t group_rows(int64_t rows, int64_t table_width, int64_t c) {
   return std::min<int64_t>(g, std::max<int64_t>(rows, 1));
 }
 
-// A launch whose table can hold more than kTile blocks: its rows may be streamed.
-bool streamed_launch(int64_t ncap) { return ncap > kTile; }
+
+// The split (v40): float8 keys (and 2-byte ones with QSA_SELECT_SPLIT_2BYTE), one page per
+// chunk (the parts are built for those alone), at least QSA_SELECT_SPLIT_MIN_ROWS rows. By default more than the distributed and the pairs
+// selects take (at most 8 and 4 rows); a lower bound (a development build) splits those
+// launches too, in their place.
+bool split_launch(DType dtype, int64_t c, int64_t rows) {
+  return QSA_SELECT_SPLIT && (dtype == DType::kFloat8E4M3 || QSA_SELECT_SPLIT_2BYTE) &&
+         page_chunks(c) && rows >= QSA_SELECT_SPLIT_MIN_ROWS;
+}
 
 template <typename T>
 cudaError_t launch_typed(const cudaLaunchConfig_t& cfg, const SelectParams& p,
                          const KeyDiv& cdiv, int64_t row0, int64_t ncap, uint32_t* keys,
-                         uint32_t* dist, bool pairs) {
-  const bool chunks = page_chunks(p.keys_per_page);
-  auto* kernel = streamed_launch(ncap)
-                     ? (chunks ? select_kernel<T, true, true> : select_kernel<T, true, false>)
-                     : (chunks ? select_kernel<T, false, true> : select_kernel<T, false, false>);
-  return cudaLaunchKernelEx(&cfg, kernel, p, cdiv, row0, ncap, keys, p.counters, dist, pairs);
+                         uint32_t* dist, bool pairs, int part, int score_ctas) {
+  const bool chunks = page_chunks(p.keys_per_page), streamed = streamed_launch(ncap);
+  KernelFn kernel = part_kernel<T, kPartAll>(streamed, chunks);
+  if constexpr (split_type<T>()) {
+    if (part == kPartScores) kernel = part_kernel<T, kPartScores>(streamed, chunks);
+    if (part == kPartSelect) kernel = part_kernel<T, kPartSelect>(streamed, chunks);
+  } else if (part != kPartAll) {
+    return cudaErrorInvalidValue;
+  }
+  return cudaLaunchKernelEx(&cfg, kernel, p, cdiv, row0, ncap, keys, p.counters, dist, pairs,
+                            score_ctas);
 }
 
 cudaError_t launch_select(const cudaLaunchConfig_t& cfg, const SelectParams& p,
                           const KeyDiv& cdiv, int64_t row0, int64_t ncap, uint32_t* keys,
-                          uint32_t* dist, bool pairs) {
+                          uint32_t* dist, bool pairs, int part = kPartAll,
+                          int score_ctas = 0) {
   switch (p.dtype) {
     case DType::kBFloat16:
-      return launch_typed<__nv_bfloat16>(cfg, p, cdiv, row0, ncap, keys, dist, pairs);
+      return launch_typed<__nv_bfloat16>(cfg, p, cdiv, row0, ncap, keys, dist, pairs, part,
+                                            score_ctas);
     case DType::kFloat8E4M3:
-      return launch_typed<__nv_fp8_e4m3>(cfg, p, cdiv, row0, ncap, keys, dist, pairs);
+      return launch_typed<__nv_fp8_e4m3>(cfg, p, cdiv, row0, ncap, keys, dist, pairs, part,
+                                            score_ctas);
     default:
-      return launch_typed<__half>(cfg, p, cdiv, row0, ncap, keys, dist, pairs);
+      return launch_typed<__half>(cfg, p, cdiv, row0, ncap, keys, dist, pairs, part,
+                                            score_ctas);
   }
 }
 
@@ -1259,10 +1534,14 @@ size_t select_workspace_bytes(int64_t rows, int64_t table_width, int64_t c) {
 // Arrivals, largest keys, then the pairs select's epoch counters.
 int64_t select_counter_slots() { return kPairsSlot + kPairsMaxRows * kPairsSpread; }
 
-int64_t select_launch_count(int64_t rows, int64_t table_width, int64_t c) {
+int64_t select_launch_count(int64_t rows, int64_t table_width, int64_t c, DType dtype) {
   if (rows <= 0) return 0;
   const int64_t g = group_rows(rows, table_width, c);
-  return (rows + g - 1) / g;
+  int64_t launches = 0;
+  for (int64_t row0 = 0; row0 < rows; row0 += g) {
+    launches += split_launch(dtype, c, std::min<int64_t>(g, rows - row0)) ? 2 : 1;
+  }
+  return launches;
 }
 
 cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
@@ -1298,16 +1577,31 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     const int64_t per_row = n > sms ? wide : std::max<int64_t>(1, sms / n);
     // v7w: a launch without streamed rows spreads a short row over up to one CTA per warp
     // chunk (16 blocks) instead of one per page.
-    const int64_t ctas = std::min(
-        streamed_launch(ncap) ? chunks : std::max<int64_t>(1, ncap / kWarpChunk), per_row);
+    const bool split = split_launch(p.dtype, c, n);  // v40
+    const int64_t ctas =
+        split ? split_score_ctas(ncap, n, sms, split_ctas_per_sm(p.dtype == DType::kFloat8E4M3))
+              : std::min(streamed_launch(ncap) ? chunks : std::max<int64_t>(1, ncap / kWarpChunk),
+                         per_row);
     const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(n));
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
-    cfg.blockDim = dim3(kThreads);
+    cfg.blockDim = dim3(split ? kGroupThreads : kThreads);
     cfg.stream = stream;
     cudaLaunchAttribute attr[2];
     cfg.attrs = attr;
     if (p.pdl) attr[cfg.numAttrs++] = detail::pdl_attribute();
+    if (split) {  // v40
+      cudaError_t err = launch_select(cfg, p, cdiv, row0, ncap, keys, nullptr, false, kPartScores);
+      if (err == cudaSuccess) err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+      cfg.gridDim = dim3(1, static_cast<unsigned>(n));
+      cfg.blockDim = dim3(kThreads);
+      err = launch_select(cfg, p, cdiv, row0, ncap, keys, nullptr, false, kPartSelect,
+                          static_cast<int>(ctas));
+      if (err == cudaSuccess) err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+      continue;
+    }
     // NOTES: the distributed select and the pairs select wait for the row's other CTAs: the
     // grid must be resident at once (cooperative; refused where it is not, and the call then
     // runs the last-CTA select). Rows at most one per SM of the stream's partition make at

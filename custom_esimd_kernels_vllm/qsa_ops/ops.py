@@ -288,7 +288,12 @@ def _clib() -> ctypes.CDLL:
     lib.qsa_attention_splits_error.restype = ctypes.c_char_p
     lib.qsa_attention_splits_error.argtypes = ()
     lib.qsa_select_launch_count.restype = ctypes.c_int64
-    lib.qsa_select_launch_count.argtypes = (ctypes.c_int64, ctypes.c_int64)
+    lib.qsa_select_launch_count.argtypes = (
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_char_p,
+    )
     lib.qsa_attention_launch_count.restype = ctypes.c_int64
     lib.qsa_attention_launch_count.argtypes = (ctypes.c_int64,)
     return lib
@@ -319,10 +324,25 @@ def attention_splits(rows: int, device: int | None = None) -> int:
     return n
 
 
-def launch_counts(rows: int, table_width: int) -> dict[str, int]:
-    """Kernel launches one call makes: {"select_paged_tokens": n, "sparse_paged_attention": n}."""
+def launch_counts(
+    rows: int,
+    table_width: int,
+    keys_per_page: int = contract.CK_PAGE,
+    index_dtype: torch.dtype = torch.float16,
+) -> dict[str, int]:
+    """Kernel launches one call makes: {"select_paged_tokens": n, "sparse_paged_attention": n}
+    (selection: of q / compressed keys in ``index_dtype`` on pages of ``keys_per_page`` keys;
+    ValueError for a dtype the selection does not take)."""
     lib = _clib()
+    select = int(
+        lib.qsa_select_launch_count(rows, table_width, keys_per_page, str(index_dtype).encode())
+    )
+    if select < 0:
+        raise ValueError(
+            f"index_dtype must be torch.float16, torch.bfloat16 or torch.float8_e4m3fn, "
+            f"got {index_dtype}"
+        )
     return {
-        "select_paged_tokens": int(lib.qsa_select_launch_count(rows, table_width)),
+        "select_paged_tokens": select,
         "sparse_paged_attention": int(lib.qsa_attention_launch_count(rows)),
     }

@@ -132,6 +132,27 @@ def test_profile_select(cuda_backend, R, context):
     assert not copies, f"device-to-host copies: {copies}"
 
 
+@pytest.mark.parametrize("R", [8, 64, 256])
+@pytest.mark.parametrize("layout", ["vllm_bf16_784", "vllm_fp8_784", "fp8_kv"])
+def test_profile_select_layouts(cuda_backend, layout, R):
+    """The launches the library states for the case's dtype and page size (a float8 batch of
+    enough rows runs as two kernels where the build splits it), none copying to the host."""
+    lay = testing.LAYOUTS[layout]
+    case = testing.make_select_case("p8192_saturated", R, DEVICE, seed=R, layout=lay)
+    kernels, copies = _kernel_events(lambda: qsa_ops.select_paged_tokens(*case.args()))
+    c, width = case.compressed_key_cache.shape[1], case.page_table.shape[1]
+    expected = ops.launch_counts(R, width, c, lay.select_dtype)["select_paged_tokens"]
+    assert len(kernels) == expected, f"{len(kernels)} kernels, stated {expected}: {kernels}"
+    assert all("qsa" in k for k in kernels), kernels
+    assert not copies, f"device-to-host copies: {copies}"
+    testing.check_selection(case, case.out)
+
+
+def test_launch_counts_refuse_other_dtypes(cuda_backend):
+    with pytest.raises(ValueError, match="index_dtype must be .* got torch.float32"):
+        ops.launch_counts(8, 16, 128, torch.float32)
+
+
 @pytest.mark.parametrize("R", [1, 64, 256])
 def test_profile_attention(cuda_backend, R):
     case = _attention_case(R)

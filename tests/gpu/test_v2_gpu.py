@@ -96,11 +96,13 @@ def test_select_odd_keys_per_page(cuda_backend, layout, R):
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("R", [5, 40])
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)
-def test_select_generic_path(cuda_backend, layout, monkeypatch):
-    """The generic (radix) select on every layout: the same bits as the fast paths."""
+def test_select_generic_path(cuda_backend, layout, R, monkeypatch):
+    """The generic (radix) select on every layout, in a short batch and in one of enough rows
+    for a float8 batch to be split: the same bits as the fast paths."""
     lay = testing.LAYOUTS[layout]
-    case = testing.make_select_case("exact_ties", 5, DEVICE, seed=3, integer=True, layout=lay)
+    case = testing.make_select_case("exact_ties", R, DEVICE, seed=3, integer=True, layout=lay)
     fast = _select(case).clone()
     monkeypatch.setenv("QSA_SELECT_PATH", "generic")
     case.out = case.new_out()
