@@ -62,8 +62,8 @@
 #endif
 // QSA_SELECT_SPLIT_2BYTE=1: float16 and bfloat16 launches split too, their scoring CTAs
 // QSA_SELECT_SPLIT_CTAS_2BYTE per SM (a chunk's rows are twice the registers).
-// QSA_SELECT_LEAN=1 (v42: adopted, 1.5-4.3 % less time on the H100): the fused kernel scores
-// with the scores-only part's lean loop too.
+// QSA_SELECT_LEAN=1 (adopted in v42): the fused kernel scores with the scores-only part's lean
+// loop too.
 #ifndef QSA_SELECT_LEAN
 #define QSA_SELECT_LEAN 1
 #endif
