@@ -198,6 +198,17 @@ def watchdog_stop(log: Path) -> str:
     return f"no result from {lines[stop - 1]} within {GPU_TEST_LIMIT_S} s"
 
 
+def record_command(wheel: str, run_now: tuple[str, ...], pytest_args: list[str]) -> str:
+    """The command a validation record names: the checks run and, where the suite ran, the
+    pytest arguments that chose a part of it (``-k select``)."""
+    command = f"python3 -m ci.pipeline kernels --wheel {wheel}"
+    if set(run_now) != set(GPU_CHECKS[1:]):
+        command += f" --checks {','.join(run_now)}"
+    if pytest_args and "tests" in run_now:
+        command += " " + " ".join(pytest_args)
+    return command
+
+
 def kernels(env: Env) -> None:
     """GPU host: the CPU machine's wheel, unrebuilt, validated; results/gpu-validation.json.
 
@@ -252,9 +263,7 @@ def kernels(env: Env) -> None:
     else:
         timing_data = earlier.get("timing")
     source = provenance.source_sha256(ROOT)
-    command = f"python3 -m ci.pipeline kernels --wheel {whl.name}"
-    if set(run_now) != set(GPU_CHECKS[1:]):
-        command += f" --checks {','.join(run_now)}"
+    command = record_command(whl.name, run_now, pytest_args)
     record = {
         "command": command,
         "date": now_utc(),

@@ -366,6 +366,18 @@ def test_kernels_checks_are_chosen_by_name(pipeline):
             gpu.chosen_checks(bad)
 
 
+def test_kernels_record_names_the_checks_and_the_suite_part(pipeline):
+    from ci import gpu
+
+    base = "python3 -m ci.pipeline kernels --wheel w.whl"
+    assert gpu.record_command("w.whl", gpu.GPU_CHECKS[1:], []) == base
+    assert gpu.record_command("w.whl", ("tests",), ["-k", "select"]) == (
+        base + " --checks tests -k select"
+    )
+    # pytest arguments name a part of the suite only where the suite ran
+    assert gpu.record_command("w.whl", ("memcheck",), ["-k", "x"]) == base + " --checks memcheck"
+
+
 def test_kernels_keeps_an_earlier_record_of_the_same_wheel_only(pipeline, tmp_path):
     from ci import gpu
 
