@@ -67,6 +67,11 @@
 #ifndef QSA_SELECT_LEAN
 #define QSA_SELECT_LEAN 1
 #endif
+// QSA_SELECT_FLAT=1 (v44): the lean loop's chunk step without branches (2: in launches
+// without streamed rows).
+#ifndef QSA_SELECT_FLAT
+#define QSA_SELECT_FLAT 0
+#endif
 #ifndef QSA_SELECT_SPLIT_2BYTE
 #define QSA_SELECT_SPLIT_2BYTE 0
 #endif
@@ -229,6 +234,19 @@ static_assert((kPairsEpoch & (kPairsEpoch - 1)) == 0, "epochs divide 2^32");
 // A plain 32-bit global store through a pointer the compiler cannot see through (v40).
 __device__ __forceinline__ void st_global32(uint32_t* p, uint32_t v) {
   asm volatile("st.global.u32 [%0], %1;\n" ::"l"(p), "r"(v));
+}
+
+// The same, predicated (v44).
+__device__ __forceinline__ void st_global32_pred(uint32_t* p, uint32_t v, bool pred) {
+  asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %2, 0;\n\t@q st.global.u32 [%0], %1;\n\t}"
+               ::"l"(p), "r"(v), "r"(int(pred)));
+}
+// A read-only 16-byte load predicated on pred; v keeps its value when off (v44).
+__device__ __forceinline__ void ldg16_keep(const void* p, bool pred, uint4& v) {
+  asm("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t"
+               "@q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+               : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+               : "l"(p), "r"(int(pred)));
 }
 
 // The first digit of key (> 0) in a row whose largest key is maxkey.
@@ -1029,6 +1047,8 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   // 2 kDepth chunks ahead (ph[i]: chunk j0 + i * stride).
   // (QSA_SELECT_LEAN: the fused kernel's loop; a kPartSelect CTA scores nothing)
   constexpr bool kLean = kPart == kPartScores || (QSA_SELECT_LEAN && kPart == kPartAll);
+  // (QSA_SELECT_FLAT=2: not where rows may be streamed, whose float8 build spills at 128)
+  constexpr bool kFlat = QSA_SELECT_FLAT == 1 || (QSA_SELECT_FLAT == 2 && !kStreamed);
   if constexpr (kLean && kPageChunks) {
     // NOTES (v40): the lean loop of the scores-only part (and of the fused kernel with
     // QSA_SELECT_LEAN), the same pipeline as the loop below with lighter index work: at 80
@@ -1073,6 +1093,19 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
         rb[s] = __ldg(reinterpret_cast<const uint4*>(pb + o));
       }
     };
+    // The same loads predicated on `go`, keeping the registers' values when off (v44).
+    auto issue_flat = [&](Ix j0, int32_t id, bool go, uint4(&ra)[kLoads], uint4(&rb)[kLoads]) {
+      const Chunk ch = chunk_of(j0);
+      const char* pg = ckb + uint64_t(static_cast<uint32_t>(id)) * psb;
+      const char* pa = pg + uint64_t(ch.base + min(Ix(g), ch.rows - 1u)) * rsb;
+      const char* pb = pg + uint64_t(ch.base + min(Ix(g + 8), ch.rows - 1u)) * rsb;
+#pragma unroll
+      for (int s = 0; s < kLoads; ++s) {
+        const int o = (dim_offset<T>(s, t) - dim_offset<T>(0, t)) * Elem<T>::kBytes;
+        ldg16_keep(pa + o, go, ra[s]);
+        ldg16_keep(pb + o, go, rb[s]);
+      }
+    };
     auto score_lean = [&](Ix j0, int32_t id, int32_t id_next, uint4(&ca)[kLoads],
                           uint4(&cb)[kLoads], uint4(&na)[kLoads], uint4(&nb4)[kLoads]) {
       const Ix j1 = j0 + (kDepth - 1) * stride32;
@@ -1097,10 +1130,40 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
         }
       }
     };
+    // v44 (QSA_SELECT_FLAT): a chunk's step without branches (predicated loads that keep
+    // their registers, predicated stores, an unusable chunk's keys 0 from the same stores),
+    // and full rounds of kDepth chunks without the per-chunk exit, so that ptxas can overlap
+    // one chunk's conversions and mma with the previous chunk's sums, shuffles and stores.
+    auto score_flat = [&](Ix j0, int32_t id, int32_t id_next, uint4(&ca)[kLoads],
+                          uint4(&cb)[kLoads], uint4(&na)[kLoads], uint4(&nb4)[kLoads]) {
+      const Ix j1 = j0 + (kDepth - 1) * stride32;
+      issue_flat(j1, id_next, j1 < nend32 && usable32(id_next), na, nb4);
+      const Chunk ch = chunk_of(j0);
+      float lo, hi;
+      chunk_scores(ca, cb, lo, hi);
+      // lanes t = 0 and 1 hold both sums: t = 0 stores row g, t = 1 row g + 8
+      const float sc = t ? hi : lo;
+      const Ix row = Ix(g) + (t ? 8u : 0u);
+      const uint32_t key = usable32(id) ? __float_as_uint(sc * kScoreScale) + 1u : 0u;
+      const bool st = t < 2 && j0 < nend32 && row < ch.rows;
+      st_global32_pred(rk + ch.first + row, key, st);
+      kmax = max(kmax, st ? key : 0u);
+    };
+    if constexpr (kFlat) {
+#pragma unroll
+      for (int k = 0; k < kDepth; ++k) {  // defined values for chunks that load nothing
+#pragma unroll
+        for (int s = 0; s < kLoads; ++s) bufa[k][s] = bufb[k][s] = make_uint4(0, 0, 0, 0);
+      }
+    }
 #pragma unroll
     for (int k = 0; k + 1 < kDepth; ++k) {
       const Ix j = static_cast<Ix>(wfirst) + k * stride32;
-      if (j < nend32 && usable32(ph[k].x)) issue_lean(j, ph[k].x, bufa[k], bufb[k]);
+      if constexpr (kFlat) {
+        issue_flat(j, ph[k].x, j < nend32 && usable32(ph[k].x), bufa[k], bufb[k]);
+      } else {
+        if (j < nend32 && usable32(ph[k].x)) issue_lean(j, ph[k].x, bufa[k], bufb[k]);
+      }
     }
     for (Ix j0 = static_cast<Ix>(wfirst); j0 < nend32; j0 += kDepth * stride32) {
       int2 ahead[kDepth];
@@ -1109,11 +1172,24 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
         const int32_t v = page_lean(j0 + (2 * kDepth + k) * stride32);
         ahead[k] = int2{v, v};
       }
+      if (kFlat && j0 + (kDepth - 1) * stride32 < nend32) {  // a full round: one block
 #pragma unroll
-      for (int k = 0; k < kDepth; ++k) {
-        if (k > 0 && j0 + k * stride32 >= nend32) break;
-        score_lean(j0 + k * stride32, ph[k].x, ph[k + kDepth - 1].x, bufa[k], bufb[k],
-                   bufa[(k + kDepth - 1) % kDepth], bufb[(k + kDepth - 1) % kDepth]);
+        for (int k = 0; k < kDepth; ++k) {
+          score_flat(j0 + k * stride32, ph[k].x, ph[k + kDepth - 1].x, bufa[k], bufb[k],
+                     bufa[(k + kDepth - 1) % kDepth], bufb[(k + kDepth - 1) % kDepth]);
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < kDepth; ++k) {
+          if (k > 0 && j0 + k * stride32 >= nend32) break;
+          if constexpr (kFlat) {
+            score_flat(j0 + k * stride32, ph[k].x, ph[k + kDepth - 1].x, bufa[k], bufb[k],
+                       bufa[(k + kDepth - 1) % kDepth], bufb[(k + kDepth - 1) % kDepth]);
+          } else {
+            score_lean(j0 + k * stride32, ph[k].x, ph[k + kDepth - 1].x, bufa[k], bufb[k],
+                       bufa[(k + kDepth - 1) % kDepth], bufb[(k + kDepth - 1) % kDepth]);
+          }
+        }
       }
 #pragma unroll
       for (int k = 0; k < kDepth; ++k) {
