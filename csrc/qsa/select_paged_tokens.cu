@@ -242,9 +242,13 @@ __device__ __forceinline__ void st_global32_pred(uint32_t* p, uint32_t v, bool p
                ::"l"(p), "r"(v), "r"(int(pred)));
 }
 // A read-only 16-byte load predicated on pred; v keeps its value when off (v44).
+// QSA_SELECT_LDQ: the key loads' cache qualifiers (v44 A/B: "" or e.g. ".L2::256B").
+#ifndef QSA_SELECT_LDQ
+#define QSA_SELECT_LDQ ""
+#endif
 __device__ __forceinline__ void ldg16_keep(const void* p, bool pred, uint4& v) {
   asm("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t"
-               "@q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+               "@q ld.global.nc" QSA_SELECT_LDQ ".v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
                : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
                : "l"(p), "r"(int(pred)));
 }
