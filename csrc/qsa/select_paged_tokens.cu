@@ -67,10 +67,10 @@
 #ifndef QSA_SELECT_LEAN
 #define QSA_SELECT_LEAN 1
 #endif
-// QSA_SELECT_FLAT=1 (v44): the lean loop's chunk step without branches (2: in launches
-// without streamed rows).
+// QSA_SELECT_FLAT (v44): the lean loop's chunk step without branches: 2 (adopted) in launches
+// without streamed rows, 1 in every launch, 0 in none.
 #ifndef QSA_SELECT_FLAT
-#define QSA_SELECT_FLAT 0
+#define QSA_SELECT_FLAT 2
 #endif
 #ifndef QSA_SELECT_SPLIT_2BYTE
 #define QSA_SELECT_SPLIT_2BYTE 0
