@@ -1085,7 +1085,9 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
       const Ix base = j0 - page * cdiv.d, first = page * C32 + base;
       return Chunk{first, base, min(C32 - base, nbv32 - first)};
     };
-    auto issue_lean = [&](Ix j0, int32_t id, uint4(&ra)[kLoads], uint4(&rb)[kLoads]) {
+    // kFlat (v44): the loads predicated on `go`, the registers keeping their values when off;
+    // else unpredicated (the caller tests `go`).
+    auto issue_lean = [&](Ix j0, int32_t id, bool go, uint4(&ra)[kLoads], uint4(&rb)[kLoads]) {
       const Chunk ch = chunk_of(j0);
       const char* pg = ckb + uint64_t(static_cast<uint32_t>(id)) * psb;
       const char* pa = pg + uint64_t(ch.base + min(Ix(g), ch.rows - 1u)) * rsb;
@@ -1093,27 +1095,19 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
 #pragma unroll
       for (int s = 0; s < kLoads; ++s) {
         const int o = (dim_offset<T>(s, t) - dim_offset<T>(0, t)) * Elem<T>::kBytes;
-        ra[s] = __ldg(reinterpret_cast<const uint4*>(pa + o));
-        rb[s] = __ldg(reinterpret_cast<const uint4*>(pb + o));
-      }
-    };
-    // The same loads predicated on `go`, keeping the registers' values when off (v44).
-    auto issue_flat = [&](Ix j0, int32_t id, bool go, uint4(&ra)[kLoads], uint4(&rb)[kLoads]) {
-      const Chunk ch = chunk_of(j0);
-      const char* pg = ckb + uint64_t(static_cast<uint32_t>(id)) * psb;
-      const char* pa = pg + uint64_t(ch.base + min(Ix(g), ch.rows - 1u)) * rsb;
-      const char* pb = pg + uint64_t(ch.base + min(Ix(g + 8), ch.rows - 1u)) * rsb;
-#pragma unroll
-      for (int s = 0; s < kLoads; ++s) {
-        const int o = (dim_offset<T>(s, t) - dim_offset<T>(0, t)) * Elem<T>::kBytes;
-        ldg16_keep(pa + o, go, ra[s]);
-        ldg16_keep(pb + o, go, rb[s]);
+        if constexpr (kFlat) {
+          ldg16_keep(pa + o, go, ra[s]);
+          ldg16_keep(pb + o, go, rb[s]);
+        } else {
+          ra[s] = __ldg(reinterpret_cast<const uint4*>(pa + o));
+          rb[s] = __ldg(reinterpret_cast<const uint4*>(pb + o));
+        }
       }
     };
     auto score_lean = [&](Ix j0, int32_t id, int32_t id_next, uint4(&ca)[kLoads],
                           uint4(&cb)[kLoads], uint4(&na)[kLoads], uint4(&nb4)[kLoads]) {
       const Ix j1 = j0 + (kDepth - 1) * stride32;
-      if (j1 < nend32 && usable32(id_next)) issue_lean(j1, id_next, na, nb4);
+      if (j1 < nend32 && usable32(id_next)) issue_lean(j1, id_next, true, na, nb4);
       const Chunk ch = chunk_of(j0);
       if (!usable32(id)) {  // never read: key 0, never chosen
         if (lane < ch.rows && lane < kWarpChunk) st_global32(rk + ch.first + lane, 0u);
@@ -1141,7 +1135,7 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
     auto score_flat = [&](Ix j0, int32_t id, int32_t id_next, uint4(&ca)[kLoads],
                           uint4(&cb)[kLoads], uint4(&na)[kLoads], uint4(&nb4)[kLoads]) {
       const Ix j1 = j0 + (kDepth - 1) * stride32;
-      issue_flat(j1, id_next, j1 < nend32 && usable32(id_next), na, nb4);
+      issue_lean(j1, id_next, j1 < nend32 && usable32(id_next), na, nb4);
       const Chunk ch = chunk_of(j0);
       float lo, hi;
       chunk_scores(ca, cb, lo, hi);
@@ -1164,9 +1158,9 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
     for (int k = 0; k + 1 < kDepth; ++k) {
       const Ix j = static_cast<Ix>(wfirst) + k * stride32;
       if constexpr (kFlat) {
-        issue_flat(j, ph[k].x, j < nend32 && usable32(ph[k].x), bufa[k], bufb[k]);
+        issue_lean(j, ph[k].x, j < nend32 && usable32(ph[k].x), bufa[k], bufb[k]);
       } else {
-        if (j < nend32 && usable32(ph[k].x)) issue_lean(j, ph[k].x, bufa[k], bufb[k]);
+        if (j < nend32 && usable32(ph[k].x)) issue_lean(j, ph[k].x, true, bufa[k], bufb[k]);
       }
     }
     for (Ix j0 = static_cast<Ix>(wfirst); j0 < nend32; j0 += kDepth * stride32) {
