@@ -381,9 +381,11 @@ def _check_layer(attn, vllm_config) -> None:
         # under vLLM's logger, so that the server's log shows it
         init_logger("vllm.qsa").info(
             "QSA of Qwen4Exp served by custom_esimd_kernels_vllm.qsa_ops (%s for %s tensors; "
-            "%s=0 for upstream's kernels)",
+            "K/V cache %s, indexer cache %s; %s=0 for upstream's kernels)",
             _backend_name(),
             "CPU" if _on_cpu() else "CUDA",
+            attn.kv_cache_dtype,
+            str(indexer.indexer_dtype).removeprefix("torch."),
             ROUTING_ENV,
         )
 
