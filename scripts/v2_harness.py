@@ -853,6 +853,27 @@ def time_all(
 
 
 ONCE_CALLS = 3
+
+
+def _upstream_scoring_once(a, case):
+    """--once-lib upstream: vLLM 0.32.0's paged decode scoring (its Triton kernel, top-k
+    stubbed) on a selection case's tensors, each row its own request, visible blocks from the
+    row's position; for a profiler (ncu -k regex:qsa_mqa)."""
+    if not case.startswith("sel:"):
+        raise SystemExit(f"--once-lib upstream: selection cases only, got {case!r}")
+    from custom_esimd_kernels_vllm.bench import upstream as upmod
+
+    up = upmod.load(str(ROOT / ".upstream"))
+    if not up.ok:
+        raise SystemExit(f"upstream not loaded: {up.to_dict()}")
+    mod = up.indexer
+    mod._topk = lambda *args: None
+    R = a["q"].shape[0]
+    assert bool((a["t2r"] == torch.arange(R, device="cuda")).all()), "a request per row"
+    vis = (torch.minimum(a["pos"] + 1, a["lens"].long()) // 4).to(torch.int32)
+    bidx = torch.empty(R, 512, dtype=torch.int32, device="cuda")
+    ck = a["ck"] if a["ck"].dim() == 4 else a["ck"].unsqueeze(2)
+    return lambda: mod.qsa_select_paged_decode(a["q"], ck, a["table"], vis, 2048, 4, 1, bidx)
 # R of the suite's attention layouts test (tests/gpu/test_v2_gpu.py) and of its selection ones,
 # with 300 added (more rows than SMs: the float8 selection's CTAs per row)
 SUITE_ATT_ROWS = (1, 2, 5, 9, 40, 160)
@@ -1052,6 +1073,13 @@ def main():
                 a = attention_case(R, dt, kdt, ps, packed, layers, ist, tpad, gate, gen,
                                    ctx=1 << 19, holes=False, bad=False)  # fmt: skip
             for lname in args.once_lib.split(","):
+                if lname == "upstream":  # upstream's scoring kernel on the same tensors
+                    call = _upstream_scoring_once(a, case)
+                    for _ in range(ONCE_CALLS):
+                        call()
+                    torch.cuda.synchronize()
+                    print(f"ONCE {case} {lname} {ONCE_CALLS}", flush=True)
+                    continue
                 lib = libs[lname]
                 if case.startswith("sel:"):
                     lib.reserve_select(R, a["table"].shape[1], Cp)
