@@ -874,6 +874,8 @@ def _upstream_scoring_once(a, case):
     bidx = torch.empty(R, 512, dtype=torch.int32, device="cuda")
     ck = a["ck"] if a["ck"].dim() == 4 else a["ck"].unsqueeze(2)
     return lambda: mod.qsa_select_paged_decode(a["q"], ck, a["table"], vis, 2048, 4, 1, bidx)
+
+
 # R of the suite's attention layouts test (tests/gpu/test_v2_gpu.py) and of its selection ones,
 # with 300 added (more rows than SMs: the float8 selection's CTAs per row)
 SUITE_ATT_ROWS = (1, 2, 5, 9, 40, 160)

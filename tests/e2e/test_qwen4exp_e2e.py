@@ -220,8 +220,10 @@ def _within_band(got: dict, ref: dict) -> None:
     pooled_max = max(r[2] for r in rows)
     pooled_mean = sum(r[4] for r in rows) / len(rows)
     for n, ours_max, _, ours_mean, _ in rows:  # the figures the docstrings quote (pytest -rP)
-        print(f"{n} tokens: |vLLM - fp32| max {ours_max:.4f} mean {ours_mean:.5f}; "
-              f"band {BAND} x (max {pooled_max:.4f}, mean {pooled_mean:.5f})")
+        print(
+            f"{n} tokens: |vLLM - fp32| max {ours_max:.4f} mean {ours_mean:.5f}; "
+            f"band {BAND} x (max {pooled_max:.4f}, mean {pooled_mean:.5f})"
+        )
         assert ours_max <= BAND * pooled_max, (
             f"{n} tokens: max |vLLM - fp32| {ours_max:.4f} > {BAND} x {pooled_max:.4f}"
         )
