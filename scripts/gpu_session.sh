@@ -35,7 +35,7 @@ case "$MODE" in
   ab)
     if [[ ${1:-} == -h || ${1:-} == --help ]]; then
       echo "usage: $0 ab OUTDIR CASES BUILDS [TIME ARGS] (scripts/v2_harness.py --help: CASES,"
-      echo "BUILDS, TIME ARGS)"
+      echo "BUILDS, TIME ARGS; the build 'upstream' is vLLM's scoring kernel, needs .upstream)"
       exit 0
     fi
     [[ $# -ge 3 ]] || { echo "usage: $0 ab OUTDIR CASES BUILDS [TIME ARGS]" >&2; exit 2; }
@@ -48,6 +48,14 @@ case "$MODE" in
       [[ $b == new || $b == old ]] && continue
       o="$out/$b"
       mkdir -p "$o"
+      if [[ $b == upstream ]]; then  # vLLM's scoring kernel on the same tensors, beside new
+        echo "== upstream: ncu, $cases (its scoring alone: top-k not run; selection cases)"
+        ncu --csv --metrics gpu__time_duration.sum -k "regex:select_kernel|qsa_mqa" \
+          "$PY" scripts/v2_harness.py --once "$cases" --once-lib "new,upstream" \
+          > "$o/ab.log" 2>&1 || status=1
+        "$PY" scripts/v2_harness.py --ab-report "$o/ab.log" | tee "$o/ab.txt" || status=1
+        continue
+      fi
       echo "== $b: checks (against float64 / bit-exact, beside new and the seed's build)"
       "$PY" scripts/v2_harness.py --check --alts "$b" --out "$o" > "$o/check.log" 2>&1 || status=1
       grep -E "^(checks:|FAIL)" "$o/check.log" | head -20 || true

@@ -1011,7 +1011,10 @@ def main():
         "--once-lib build, for a profiler (ncu -k regex:attention|select_kernel)",
     )
     ap.add_argument(
-        "--once-lib", default="new", help="--once's builds: new, old or alt_NAME, comma list"
+        "--once-lib",
+        default="new",
+        help="--once's builds: new, old, alt_NAME or upstream (vLLM's scoring kernel, selection "
+        "cases; .upstream beside the tree), comma list",
     )
     ap.add_argument(
         "--suite",
