@@ -64,8 +64,8 @@ size_t select_workspace_bytes(int64_t rows, int64_t table_width,
                               int64_t keys_per_page = QSA_CK_PAGE);
 // Row-arrival counters of the fused kernel (one per row of a group, and the pairs select's).
 int64_t select_counter_slots();
-// Number of kernel launches one call makes: 1 per row group (2 where a float8 group is split
-// into scores and select; 0 when rows == 0).
+// Number of kernel launches one call makes: 1 per row group, whatever the dtype (0 when
+// rows == 0).
 int64_t select_launch_count(int64_t rows, int64_t table_width,
                             int64_t keys_per_page = QSA_CK_PAGE, DType dtype = DType::kFloat16);
 cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream);

@@ -45,50 +45,10 @@
 #ifndef QSA_SELECT_FP8_DEPTH
 #define QSA_SELECT_FP8_DEPTH 4
 #endif
-// v40 (measured in v42, off by default): QSA_SELECT_SPLIT=1 splits a float8 launch of at least
-// QSA_SELECT_SPLIT_MIN_ROWS rows in two: the scores alone by 256-thread CTAs,
-// QSA_SELECT_SPLIT_CTAS per SM (<= 80 registers at QSA_SELECT_SPLIT_DEPTH chunks in flight per
-// warp: 24 warps per SM instead of 16), QSA_SELECT_SPLIT_WIDE CTAs per row where the rows
-// outnumber the SMs, else as many as fill QSA_SELECT_SPLIT_CTAS per SM; then each row's select
-// by one 512-thread CTA, launched behind the scores with PDL: QSA_SELECT_SPLIT=1, it waits for
-// the whole scoring launch (griddepcontrol.wait); 2, for its own row's scoring CTAs (their
-// arrivals on the row's counter), so that the first rows' selects overlap the last rows'
-// scores.
-#ifndef QSA_SELECT_SPLIT
-#define QSA_SELECT_SPLIT 0
-#endif
-#ifndef QSA_SELECT_SPLIT_CTAS
-#define QSA_SELECT_SPLIT_CTAS 3
-#endif
-// QSA_SELECT_SPLIT_2BYTE=1: float16 and bfloat16 launches split too, their scoring CTAs
-// QSA_SELECT_SPLIT_CTAS_2BYTE per SM (a chunk's rows are twice the registers).
-// QSA_SELECT_LEAN=1 (adopted in v42): the fused kernel scores with the scores-only part's lean
-// loop too.
-#ifndef QSA_SELECT_LEAN
-#define QSA_SELECT_LEAN 1
-#endif
 // QSA_SELECT_FLAT (v44): the lean loop's chunk step without branches: 2 (adopted) in launches
 // without streamed rows, 1 in every launch, 0 in none.
 #ifndef QSA_SELECT_FLAT
 #define QSA_SELECT_FLAT 2
-#endif
-#ifndef QSA_SELECT_SPLIT_2BYTE
-#define QSA_SELECT_SPLIT_2BYTE 0
-#endif
-#ifndef QSA_SELECT_SPLIT_CTAS_2BYTE
-#define QSA_SELECT_SPLIT_CTAS_2BYTE 2
-#endif
-#ifndef QSA_SELECT_SPLIT_DEPTH
-#define QSA_SELECT_SPLIT_DEPTH 2
-#endif
-#ifndef QSA_SELECT_SPLIT_WIDE
-#define QSA_SELECT_SPLIT_WIDE 4
-#endif
-#ifndef QSA_SELECT_SPLIT_MIN_ROWS
-#define QSA_SELECT_SPLIT_MIN_ROWS 33
-#endif
-#ifndef QSA_SELECT_SPLIT_SELECT_CTAS  // a resident row's select CTAs per SM (registers)
-#define QSA_SELECT_SPLIT_SELECT_CTAS 1
 #endif
 
 namespace qsa {
@@ -123,20 +83,6 @@ constexpr int kGroupThreads = 256;             // a page group: 8 warps x 16 blo
 constexpr int kGroups = kThreads / kGroupThreads;
 constexpr int kWarpChunk = 16;                 // blocks a warp scores at a time (mma rows)
 constexpr int kScoreChunk = kWarpChunk * (kGroupThreads / 32);  // blocks per group iteration
-// The parts of a select launch (v40): scores and select (kPartAll); the scores alone
-// (kPartScores: one page group per CTA, no arrival; a launch with streamed rows folds each
-// warp's largest key into the row's slot); the select alone (kPartSelect: one CTA per row,
-// after a kPartScores launch of the same rows).
-constexpr int kPartAll = 0, kPartScores = 1, kPartSelect = 2;
-constexpr bool kSplitSpin = QSA_SELECT_SPLIT == 2;
-// Whether a dtype's launches may split, and its scoring CTAs per SM.
-template <typename T>
-constexpr bool split_type() {
-  return QSA_SELECT_SPLIT && (std::is_same<T, __nv_fp8_e4m3>::value || QSA_SELECT_SPLIT_2BYTE);
-}
-constexpr int split_ctas_per_sm(bool float8) {
-  return float8 ? QSA_SELECT_SPLIT_CTAS : QSA_SELECT_SPLIT_CTAS_2BYTE;
-}
 // NOTES (contract v2): a page holds C keys (any C >= 1). A group iteration scores kScoreChunk
 // consecutive blocks (one seed page); a warp's 16-block chunk lies in one page when C is a
 // multiple of 16 (one page-table entry per chunk, as in the seed), else each lane looks up
@@ -242,15 +188,11 @@ __device__ __forceinline__ void st_global32_pred(uint32_t* p, uint32_t v, bool p
                ::"l"(p), "r"(v), "r"(int(pred)));
 }
 // A read-only 16-byte load predicated on pred; v keeps its value when off (v44).
-// QSA_SELECT_LDQ: the key loads' cache qualifiers (v44 A/B: "" or e.g. ".L2::256B").
-#ifndef QSA_SELECT_LDQ
-#define QSA_SELECT_LDQ ""
-#endif
 __device__ __forceinline__ void ldg16_keep(const void* p, bool pred, uint4& v) {
   asm("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t"
-               "@q ld.global.nc" QSA_SELECT_LDQ ".v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
-               : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
-               : "l"(p), "r"(int(pred)));
+      "@q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+      : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+      : "l"(p), "r"(int(pred)));
 }
 
 // The first digit of key (> 0) in a row whose largest key is maxkey.
@@ -382,16 +324,6 @@ constexpr int kTile = kThreads * 4 * kStreamUnroll;  // 16384 blocks
 
 // A launch whose table can hold more than kTile blocks: its rows may be streamed.
 __host__ __device__ constexpr bool streamed_launch(int64_t ncap) { return ncap > kTile; }
-
-// The scoring CTAs of each row of a split launch of `rows` rows on `sms` SMs (v40).
-constexpr int64_t split_score_ctas(int64_t ncap, int64_t rows, int64_t sms, int per_sm) {
-  const int64_t most = streamed_launch(ncap) ? (ncap + kScoreChunk - 1) / kScoreChunk
-                                             : ncap / kWarpChunk;
-  const int64_t want =
-      rows > sms ? QSA_SELECT_SPLIT_WIDE : per_sm * sms / (rows > 0 ? rows : 1);
-  const int64_t ctas = most < want ? most : want;
-  return ctas < 1 ? 1 : ctas;
-}
 
 // The words of a row's keys in the workspace: its candidate blocks rounded up to 4, so that
 // every row starts 16-byte aligned (load_tile reads 4 keys per load) for any M * C (C = 129,
@@ -764,26 +696,17 @@ __device__ __forceinline__ void select_pairs(const uint32_t* K, int nv, int64_t 
 // T: the element type of q and the keys (__half, __nv_bfloat16, __nv_fp8_e4m3).
 // kPageChunks: page_chunks(C): the loop's chunks are 16 slots of one padded page (cdiv: the
 // padded page's Cp slots; v38), else of the row's blocks (cdiv: C).
-// kPart: kPartAll, kPartScores or kPartSelect (v40).
-template <typename T, bool kStreamed, bool kPageChunks, int kPart>
+template <typename T, bool kStreamed, bool kPageChunks>
 __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& cdiv,
                                            int64_t row0, int64_t ncap,
                                            uint32_t* __restrict__ keys,
                                            int32_t* __restrict__ counters,
-                                           uint32_t* __restrict__ dist, bool pairs,
-                                           int score_ctas) {
+                                           uint32_t* __restrict__ dist, bool pairs) {
   constexpr int kLoads = key_loads<T>();
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
-  constexpr bool kScores = kPart != kPartSelect;  // this part scores the row's blocks
-  // Page groups per CTA: kPartScores CTAs are one group (kGroupThreads threads).
-  constexpr int kCtaGroups = kPart == kPartScores ? 1 : kGroups;
+  constexpr int kCtaGroups = kGroups;  // page groups per CTA
   __shared__ SelectShared sh;
-  // Before the first global access (a launch with pdl). v40, kSplitSpin: a select CTA starts
-  // only once every scoring CTA has passed its own wait (allow_dependents below), and waits
-  // for its row's scores on the row's counter instead.
-  if constexpr (!(kSplitSpin && kPart == kPartSelect)) detail::grid_dependency_wait();
-  // v40: the select launch behind this one may take the SMs that its CTAs leave.
-  if constexpr (kPart == kPartScores) detail::allow_dependents();
+  detail::grid_dependency_wait();  // before the first global access (a launch with pdl)
   const int64_t rl = blockIdx.y;
   const int64_t r = row0 + rl;
   const int tid = threadIdx.x, lane = tid & 31;
@@ -816,7 +739,7 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   // and the keys, so the dot products are unchanged.
   const T* q = static_cast<const T*>(p.q) + r * (kIndexHeads * kIndexDim);
   uint4 qv[4];
-  if constexpr (kScores) {
+  {  // q's B fragments (qraw: its raw loads)
     const bool qvec = detail::aligned16(p.q);
     uint4 qraw[kLoads];
 #pragma unroll
@@ -864,18 +787,12 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   // bytes of a 2-byte chunk's; four chunks (v31) were 3-5 % slower than three (v32: ncu, H100,
   // R = 8 / 64 / 256); one less where each lane looks up its own pages (!kPageChunks), whose
   // four-chunk build spilled 8-16 bytes (the GPU suite's spill check, H200 run of v31).
-  // v40: kPartScores CTAs keep QSA_SELECT_SPLIT_DEPTH chunks in flight (their registers).
   constexpr int kDepth =
-      kPart == kPartScores
-          ? QSA_SELECT_SPLIT_DEPTH
-          : (Elem<T>::kBytes == 1 ? (kPageChunks ? QSA_SELECT_FP8_DEPTH : QSA_SELECT_FP8_DEPTH - 1)
-                                  : 2);
+      Elem<T>::kBytes == 1 ? (kPageChunks ? QSA_SELECT_FP8_DEPTH : QSA_SELECT_FP8_DEPTH - 1) : 2;
   int2 ph[2 * kDepth];
-  if constexpr (kScores) {
 #pragma unroll
-    for (int k = 0; k < 2 * kDepth; ++k) {
-      ph[k] = page_first(static_cast<Ix>(wfirst) + k * stride32);
-    }
+  for (int k = 0; k < 2 * kDepth; ++k) {
+    ph[k] = page_first(static_cast<Ix>(wfirst) + k * stride32);
   }
   int64_t n = pos1 < len ? pos1 : len;
   n = n > 0 ? n : 0;
@@ -1049,14 +966,12 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   // Chunk k of a round of kDepth (j0 + k * stride) is scored from buffer k while chunk
   // k + kDepth - 1 goes out into buffer (k + kDepth - 1) % kDepth; pages are loaded
   // 2 kDepth chunks ahead (ph[i]: chunk j0 + i * stride).
-  // (QSA_SELECT_LEAN: the fused kernel's loop; a kPartSelect CTA scores nothing)
-  constexpr bool kLean = kPart == kPartScores || (QSA_SELECT_LEAN && kPart == kPartAll);
   // (QSA_SELECT_FLAT=2: not where rows may be streamed, whose float8 build spills at 128)
   constexpr bool kFlat = QSA_SELECT_FLAT == 1 || (QSA_SELECT_FLAT == 2 && !kStreamed);
-  if constexpr (kLean && kPageChunks) {
-    // NOTES (v40): the lean loop of the scores-only part (and of the fused kernel with
-    // QSA_SELECT_LEAN), the same pipeline as the loop below with lighter index work: at 80
-    // registers that loop recomputed 64-bit page, row and key addresses, the chunk's division
+  if constexpr (kPageChunks) {
+    // NOTES (v40, v42): the lean loop (pages of whole chunks), the same pipeline as the loop
+    // below with lighter index work: at 80 registers (v40's scores-only kernel, since
+    // deleted) that loop recomputed 64-bit page, row and key addresses, the chunk's division
     // twice and the row's key pointer per store (SASS: ~130 of its 216 instructions per chunk
     // were integer). Here a chunk is (page, page row) from one 32 x 32 -> 64 multiply, its
     // rows' addresses products of 32-bit page and row ids off a byte pointer, page ids checked
@@ -1195,7 +1110,7 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
         ph[k + kDepth] = ahead[k];
       }
     }
-  } else if constexpr (kScores) {
+  } else {
 #pragma unroll
   for (int k = 0; k + 1 < kDepth; ++k) {
     const Ix j = static_cast<Ix>(wfirst) + k * stride32;
@@ -1217,25 +1132,9 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
       ph[k + kDepth] = ahead[k];
     }
   }
-  }  // kScores
+  }  // the per-lane pages' loop
 
-  if constexpr (kPart == kPartScores) {
-    // v40: the row's largest key for its select (a launch with streamed rows); kSplitSpin: the
-    // CTA's arrival on the row's counter once all of its keys are stored.
-    if constexpr (kStreamed) {
-      kmax = __reduce_max_sync(0xffffffffu, kmax);
-      if (lane == 0 && kmax) {
-        atomicMax(reinterpret_cast<uint32_t*>(counters + kMaxKeySlot + rl), kmax);
-      }
-    }
-    if constexpr (kSplitSpin) {
-      __syncthreads();
-      if (tid == 0) detail::red_add_release_gpu(counters + rl, 1);
-    }
-    return;
-  }
-
-  if constexpr (!kStreamed && kPart == kPartAll) {
+  if constexpr (!kStreamed) {
     if (pairs_row(pairs, b_ok, nbv)) {
       select_pairs(row_keys, static_cast<int>(nbv), n, nb, p.out + r * p.out_stride,
                    counters + kPairsSlot + rl * kPairsSpread, sh);
@@ -1274,14 +1173,7 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   if (tid < 32) {
     const uint32_t m = __reduce_max_sync(
         0xffffffffu, lane < kWarps ? static_cast<uint32_t>(sh.scan[lane]) : 0u);
-    if (kSplitSpin && kPart == kPartSelect) {
-      if (tid == 0) {  // v40: the row's scoring CTAs have all arrived
-        while (detail::ld_acquire_gpu(counters + rl) < score_ctas) {
-        }
-        sh.is_last = 1;
-        if (streamed) sh.maxkey = atomicExch(maxkey, 0u);  // after the acquire
-      }
-    } else if (tid == 0) {
+    if (tid == 0) {
       if (m && streamed) atomicMax(maxkey, m);  // ordered before the arrival's release
       const int before = atomic_add_acq_rel_gpu(counters + rl, 1);
       if (dist_row) {
@@ -1487,47 +1379,16 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   }
 }
 
-// The launch's kernels: 512-thread CTAs (kPartAll, kPartSelect) and the scores-only CTAs (v40).
-// score_ctas: a kPartSelect launch's scoring CTAs per row (its arrivals, kSplitSpin).
+// The launch's kernel, by key type, streamed rows and one page per chunk.
 using KernelFn = void (*)(SelectParams, KeyDiv, int64_t, int64_t, uint32_t*, int32_t*,
-                          uint32_t*, bool, int);
-
-template <typename T, bool kStreamed, bool kPageChunks, int kPart>
-// v40: QSA_SELECT_SPLIT_SELECT_CTAS bounds a resident row's select CTAs (63 registers at 2,
-// spill-free; a streamed row's select spills 156 bytes there).
-__global__ void __launch_bounds__(kThreads, (kPart == kPartSelect && !kStreamed)
-                                                ? QSA_SELECT_SPLIT_SELECT_CTAS
-                                                : 1)
-    select_kernel(SelectParams p, KeyDiv cdiv, int64_t row0, int64_t ncap,
-                  uint32_t* __restrict__ keys, int32_t* __restrict__ counters,
-                  uint32_t* __restrict__ dist, bool pairs, int score_ctas) {
-  select_row<T, kStreamed, kPageChunks, kPart>(p, cdiv, row0, ncap, keys, counters, dist, pairs,
-                                               score_ctas);
-}
+                          uint32_t*, bool);
 
 template <typename T, bool kStreamed, bool kPageChunks>
-__global__ void __launch_bounds__(kGroupThreads, split_ctas_per_sm(Elem<T>::kBytes == 1))
-    select_kernel_scores(SelectParams p, KeyDiv cdiv, int64_t row0, int64_t ncap,
-                         uint32_t* __restrict__ keys, int32_t* __restrict__ counters,
-                         uint32_t* __restrict__ dist, bool pairs, int score_ctas) {
-  select_row<T, kStreamed, kPageChunks, kPartScores>(p, cdiv, row0, ncap, keys, counters, dist,
-                                                     pairs, score_ctas);
-}
-
-// The split's parts exist for one page per chunk alone (split_launch): the scores-only
-// build of per-lane pages spills at 80 registers (44 bytes at depth 2).
-template <typename T, int kPart>
-KernelFn part_kernel(bool streamed, bool chunks) {
-  if constexpr (kPart == kPartScores) {
-    return streamed ? select_kernel_scores<T, true, true> : select_kernel_scores<T, false, true>;
-  } else if constexpr (kPart == kPartSelect) {
-    return streamed ? select_kernel<T, true, true, kPart> : select_kernel<T, false, true, kPart>;
-  } else {
-    return streamed ? (chunks ? select_kernel<T, true, true, kPart>
-                              : select_kernel<T, true, false, kPart>)
-                    : (chunks ? select_kernel<T, false, true, kPart>
-                              : select_kernel<T, false, false, kPart>);
-  }
+__global__ void __launch_bounds__(kThreads, 1)
+    select_kernel(SelectParams p, KeyDiv cdiv, int64_t row0, int64_t ncap,
+                  uint32_t* __restrict__ keys, int32_t* __restrict__ counters,
+                  uint32_t* __restrict__ dist, bool pairs) {
+  select_row<T, kStreamed, kPageChunks>(p, cdiv, row0, ncap, keys, counters, dist, pairs);
 }
 
 int64_t candidate_blocks(int64_t table_width, int64_t c) { return table_width * c; }
@@ -1541,45 +1402,28 @@ int64_t group_rows(int64_t rows, int64_t table_width, int64_t c) {
 }
 
 
-// The split (v40): float8 keys (and 2-byte ones with QSA_SELECT_SPLIT_2BYTE), one page per
-// chunk (the parts are built for those alone), at least QSA_SELECT_SPLIT_MIN_ROWS rows. By default more than the distributed and the pairs
-// selects take (at most 8 and 4 rows); a lower bound (a development build) splits those
-// launches too, in their place.
-bool split_launch(DType dtype, int64_t c, int64_t rows) {
-  return QSA_SELECT_SPLIT && (dtype == DType::kFloat8E4M3 || QSA_SELECT_SPLIT_2BYTE) &&
-         page_chunks(c) && rows >= QSA_SELECT_SPLIT_MIN_ROWS;
-}
-
 template <typename T>
 cudaError_t launch_typed(const cudaLaunchConfig_t& cfg, const SelectParams& p,
                          const KeyDiv& cdiv, int64_t row0, int64_t ncap, uint32_t* keys,
-                         uint32_t* dist, bool pairs, int part, int score_ctas) {
+                         uint32_t* dist, bool pairs) {
   const bool chunks = page_chunks(p.keys_per_page), streamed = streamed_launch(ncap);
-  KernelFn kernel = part_kernel<T, kPartAll>(streamed, chunks);
-  if constexpr (split_type<T>()) {
-    if (part == kPartScores) kernel = part_kernel<T, kPartScores>(streamed, chunks);
-    if (part == kPartSelect) kernel = part_kernel<T, kPartSelect>(streamed, chunks);
-  } else if (part != kPartAll) {
-    return cudaErrorInvalidValue;
-  }
-  return cudaLaunchKernelEx(&cfg, kernel, p, cdiv, row0, ncap, keys, p.counters, dist, pairs,
-                            score_ctas);
+  const KernelFn kernel = streamed ? (chunks ? select_kernel<T, true, true>
+                                             : select_kernel<T, true, false>)
+                                   : (chunks ? select_kernel<T, false, true>
+                                             : select_kernel<T, false, false>);
+  return cudaLaunchKernelEx(&cfg, kernel, p, cdiv, row0, ncap, keys, p.counters, dist, pairs);
 }
 
 cudaError_t launch_select(const cudaLaunchConfig_t& cfg, const SelectParams& p,
                           const KeyDiv& cdiv, int64_t row0, int64_t ncap, uint32_t* keys,
-                          uint32_t* dist, bool pairs, int part = kPartAll,
-                          int score_ctas = 0) {
+                          uint32_t* dist, bool pairs) {
   switch (p.dtype) {
     case DType::kBFloat16:
-      return launch_typed<__nv_bfloat16>(cfg, p, cdiv, row0, ncap, keys, dist, pairs, part,
-                                            score_ctas);
+      return launch_typed<__nv_bfloat16>(cfg, p, cdiv, row0, ncap, keys, dist, pairs);
     case DType::kFloat8E4M3:
-      return launch_typed<__nv_fp8_e4m3>(cfg, p, cdiv, row0, ncap, keys, dist, pairs, part,
-                                            score_ctas);
+      return launch_typed<__nv_fp8_e4m3>(cfg, p, cdiv, row0, ncap, keys, dist, pairs);
     default:
-      return launch_typed<__half>(cfg, p, cdiv, row0, ncap, keys, dist, pairs, part,
-                                            score_ctas);
+      return launch_typed<__half>(cfg, p, cdiv, row0, ncap, keys, dist, pairs);
   }
 }
 
@@ -1608,14 +1452,10 @@ size_t select_workspace_bytes(int64_t rows, int64_t table_width, int64_t c) {
 // Arrivals, largest keys, then the pairs select's epoch counters.
 int64_t select_counter_slots() { return kPairsSlot + kPairsMaxRows * kPairsSpread; }
 
-int64_t select_launch_count(int64_t rows, int64_t table_width, int64_t c, DType dtype) {
+int64_t select_launch_count(int64_t rows, int64_t table_width, int64_t c, DType /*dtype*/) {
   if (rows <= 0) return 0;
   const int64_t g = group_rows(rows, table_width, c);
-  int64_t launches = 0;
-  for (int64_t row0 = 0; row0 < rows; row0 += g) {
-    launches += split_launch(dtype, c, std::min<int64_t>(g, rows - row0)) ? 2 : 1;
-  }
-  return launches;
+  return (rows + g - 1) / g;
 }
 
 cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
@@ -1651,31 +1491,16 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     const int64_t per_row = n > sms ? wide : std::max<int64_t>(1, sms / n);
     // v7w: a launch without streamed rows spreads a short row over up to one CTA per warp
     // chunk (16 blocks) instead of one per page.
-    const bool split = split_launch(p.dtype, c, n);  // v40
-    const int64_t ctas =
-        split ? split_score_ctas(ncap, n, sms, split_ctas_per_sm(p.dtype == DType::kFloat8E4M3))
-              : std::min(streamed_launch(ncap) ? chunks : std::max<int64_t>(1, ncap / kWarpChunk),
-                         per_row);
+    const int64_t ctas = std::min(
+        streamed_launch(ncap) ? chunks : std::max<int64_t>(1, ncap / kWarpChunk), per_row);
     const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(n));
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
-    cfg.blockDim = dim3(split ? kGroupThreads : kThreads);
+    cfg.blockDim = dim3(kThreads);
     cfg.stream = stream;
     cudaLaunchAttribute attr[2];
     cfg.attrs = attr;
     if (p.pdl) attr[cfg.numAttrs++] = detail::pdl_attribute();
-    if (split) {  // v40
-      cudaError_t err = launch_select(cfg, p, cdiv, row0, ncap, keys, nullptr, false, kPartScores);
-      if (err == cudaSuccess) err = cudaGetLastError();
-      if (err != cudaSuccess) return err;
-      cfg.gridDim = dim3(1, static_cast<unsigned>(n));
-      cfg.blockDim = dim3(kThreads);
-      err = launch_select(cfg, p, cdiv, row0, ncap, keys, nullptr, false, kPartSelect,
-                          static_cast<int>(ctas));
-      if (err == cudaSuccess) err = cudaGetLastError();
-      if (err != cudaSuccess) return err;
-      continue;
-    }
     // NOTES: the distributed select and the pairs select wait for the row's other CTAs: the
     // grid must be resident at once (cooperative; refused where it is not, and the call then
     // runs the last-CTA select). Rows at most one per SM of the stream's partition make at

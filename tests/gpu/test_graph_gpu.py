@@ -135,8 +135,8 @@ def test_profile_select(cuda_backend, R, context):
 @pytest.mark.parametrize("R", [8, 64, 256])
 @pytest.mark.parametrize("layout", ["vllm_bf16_784", "vllm_fp8_784", "fp8_kv"])
 def test_profile_select_layouts(cuda_backend, layout, R):
-    """The launches the library states for the case's dtype and page size (a float8 batch of
-    enough rows runs as two kernels where the build splits it), none copying to the host."""
+    """The launches the library states for the case's dtype and page size (one per row
+    group), none copying to the host."""
     lay = testing.LAYOUTS[layout]
     case = testing.make_select_case("p8192_saturated", R, DEVICE, seed=R, layout=lay)
     kernels, copies = _kernel_events(lambda: qsa_ops.select_paged_tokens(*case.args()))
