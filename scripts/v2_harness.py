@@ -944,8 +944,8 @@ def suite_call(tag, limit_s, call, check) -> int:
     return 0
 
 
-# Kernels that a call launches before its last one (a split selection's scores, v40): their
-# durations count towards the call's next kernel.
+# Kernels that a call launches before its last one (a split selection's scores: v40, in builds
+# of its candidate branches; deleted on main): their durations count towards the next kernel.
 LEADING_KERNELS = ("select_kernel_scores",)
 
 
