@@ -168,6 +168,15 @@ __device__ __forceinline__ uint4 ldg16_pred(const void* p, bool pred) {
   return v;
 }
 
+// A read-only 16-byte load predicated on pred; v keeps its value when off (the selection's
+// branch-free chunk step, v44).
+__device__ __forceinline__ void ldg16_keep(const void* p, bool pred, uint4& v) {
+  asm("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t"
+      "@q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+      : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+      : "l"(p), "r"(int(pred)));
+}
+
 template <bool kFirstLoad = false>
 __device__ __forceinline__ int32_t ldg32_pred(const int32_t* p, bool pred, int32_t fallback) {
   int32_t v;

@@ -187,13 +187,6 @@ __device__ __forceinline__ void st_global32_pred(uint32_t* p, uint32_t v, bool p
   asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %2, 0;\n\t@q st.global.u32 [%0], %1;\n\t}"
                ::"l"(p), "r"(v), "r"(int(pred)));
 }
-// A read-only 16-byte load predicated on pred; v keeps its value when off (v44).
-__device__ __forceinline__ void ldg16_keep(const void* p, bool pred, uint4& v) {
-  asm("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t"
-      "@q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
-      : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
-      : "l"(p), "r"(int(pred)));
-}
 
 // The first digit of key (> 0) in a row whose largest key is maxkey.
 __device__ __forceinline__ uint32_t first_digit(uint32_t key, uint32_t top) {
@@ -1011,8 +1004,8 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
       for (int s = 0; s < kLoads; ++s) {
         const int o = (dim_offset<T>(s, t) - dim_offset<T>(0, t)) * Elem<T>::kBytes;
         if constexpr (kFlat) {
-          ldg16_keep(pa + o, go, ra[s]);
-          ldg16_keep(pb + o, go, rb[s]);
+          detail::ldg16_keep(pa + o, go, ra[s]);
+          detail::ldg16_keep(pb + o, go, rb[s]);
         } else {
           ra[s] = __ldg(reinterpret_cast<const uint4*>(pa + o));
           rb[s] = __ldg(reinterpret_cast<const uint4*>(pb + o));
