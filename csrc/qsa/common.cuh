@@ -390,6 +390,23 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
   }
 }
 
+// NOTES (v33): independent accumulator chains of an mma sequence (k-step u into chain
+// u % kChains), zeroed before and summed after, so that the mma need not wait on each other.
+template <int kChains>
+__device__ __forceinline__ void zero_chains(float (&part)[kChains][4]) {
+#pragma unroll
+  for (int c = 0; c < kChains; ++c) part[c][0] = part[c][1] = part[c][2] = part[c][3] = 0.f;
+}
+template <int kChains>
+__device__ __forceinline__ void sum_chains(const float (&part)[kChains][4], float (&acc)[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    acc[e] = part[0][e];
+#pragma unroll
+    for (int c = 1; c < kChains; ++c) acc[e] += part[c][e];
+  }
+}
+
 // Word i of a 16-byte register group.
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;

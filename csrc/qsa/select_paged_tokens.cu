@@ -882,8 +882,7 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
     // s), summed after: one chain made the 8 mma of a chunk wait on each other (SASS of v31).
     constexpr int kChains = QSA_SELECT_CHAINS;
     float part[kChains][4];
-#pragma unroll
-    for (int c = 0; c < kChains; ++c) part[c][0] = part[c][1] = part[c][2] = part[c][3] = 0.f;
+    detail::zero_chains(part);
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
 #pragma unroll
@@ -894,12 +893,7 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
       }
     }
     float acc[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      acc[e] = part[0][e];
-#pragma unroll
-      for (int c = 1; c < kChains; ++c) acc[e] += part[c][e];
-    }
+    detail::sum_chains(part, acc);
     // acc: (block g, heads 2t, 2t+1), (block g + 8, heads 2t, 2t+1); heads >= 4 are zero.
     // ReLU also maps -0.0 to +0.0.
     lo = (acc[0] > 0.f ? acc[0] : 0.f) + (acc[1] > 0.f ? acc[1] : 0.f);

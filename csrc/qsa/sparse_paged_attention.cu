@@ -528,8 +528,7 @@ __global__ void __launch_bounds__(kThreads, kDeep || mma_path<KT>() ? 1 : 2)
       // (SASS of v31: one accumulator register set through all 16 HMMA).
       constexpr int kChains = QSA_ATTN_QK_CHAINS;
       float sq[kChains][4];
-#pragma unroll
-      for (int u = 0; u < kChains; ++u) sq[u][0] = sq[u][1] = sq[u][2] = sq[u][3] = 0.f;
+      detail::zero_chains(sq);
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const uint32_t ka = word(kr[j / 4], j % 4), kb2 = word(kr[4 + j / 4], j % 4);
@@ -538,12 +537,7 @@ __global__ void __launch_bounds__(kThreads, kDeep || mma_path<KT>() ? 1 : 2)
                          qb[j][1]);
       }
       float sc[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        sc[e] = sq[0][e];
-#pragma unroll
-        for (int u = 1; u < kChains; ++u) sc[e] += sq[u][e];
-      }
+      detail::sum_chains(sq, sc);
       if (gn < total) {
         issue_k(gn, kon, kr);
         issue_v(gn, von, vn);
