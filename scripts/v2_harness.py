@@ -812,12 +812,7 @@ def time_all(
             if pname in ("vllm196_bf16", "vllm196_fp8", "bf16", "fp8") and up is not None:
                 mod = up.indexer
 
-                def upcall(a, mod=mod):
-                    mod.qsa_select_paged_decode(
-                        a["q"], a["ck"], a["table"], a["vis"], 2048, 4, 1, a["bidx"]
-                    )
-
-                impls.append(("upstream_scoring", upcall))
+                impls.append(("upstream_scoring", functools.partial(upstream_scoring, mod)))
             for iname, call in impls:
                 if iname == "upstream_scoring":
                     saved = up.indexer._topk
@@ -855,10 +850,16 @@ def time_all(
 ONCE_CALLS = 3
 
 
+def upstream_scoring(mod, a):
+    """vLLM 0.32.0's paged decode scoring (``mod``: its indexer module) of a selection case
+    that carries the visible blocks per row (``vis``) and an output (``bidx``)."""
+    mod.qsa_select_paged_decode(a["q"], a["ck"], a["table"], a["vis"], 2048, 4, 1, a["bidx"])
+
+
 def _upstream_scoring_once(a, case):
-    """--once-lib upstream: vLLM 0.32.0's paged decode scoring (its Triton kernel, top-k
-    stubbed) on a selection case's tensors, each row its own request, visible blocks from the
-    row's position; for a profiler (ncu -k regex:qsa_mqa)."""
+    """--once-lib upstream: ``upstream_scoring`` (its Triton kernel, top-k stubbed) on a
+    --once selection case, each row its own request, visible blocks from the row's position;
+    for a profiler (ncu -k regex:qsa_mqa)."""
     if not case.startswith("sel:"):
         raise SystemExit(f"--once-lib upstream: selection cases only, got {case!r}")
     from custom_esimd_kernels_vllm.bench import upstream as upmod
@@ -866,14 +867,12 @@ def _upstream_scoring_once(a, case):
     up = upmod.load(str(ROOT / ".upstream"))
     if not up.ok:
         raise SystemExit(f"upstream not loaded: {up.to_dict()}")
-    mod = up.indexer
-    mod._topk = lambda *args: None
+    up.indexer._topk = lambda *args: None
     R = a["q"].shape[0]
     assert bool((a["t2r"] == torch.arange(R, device="cuda")).all()), "a request per row"
-    vis = (torch.minimum(a["pos"] + 1, a["lens"].long()) // 4).to(torch.int32)
-    bidx = torch.empty(R, 512, dtype=torch.int32, device="cuda")
-    ck = a["ck"] if a["ck"].dim() == 4 else a["ck"].unsqueeze(2)
-    return lambda: mod.qsa_select_paged_decode(a["q"], ck, a["table"], vis, 2048, 4, 1, bidx)
+    a["vis"] = (torch.minimum(a["pos"] + 1, a["lens"].long()) // 4).to(torch.int32)
+    a["bidx"] = torch.empty(R, 512, dtype=torch.int32, device="cuda")
+    return functools.partial(upstream_scoring, up.indexer)
 
 
 # R of the suite's attention layouts test (tests/gpu/test_v2_gpu.py) and of its selection ones,
@@ -1080,16 +1079,12 @@ def main():
             for lname in args.once_lib.split(","):
                 if lname == "upstream":  # upstream's scoring kernel on the same tensors
                     call = _upstream_scoring_once(a, case)
-                    for _ in range(ONCE_CALLS):
-                        call()
-                    torch.cuda.synchronize()
-                    print(f"ONCE {case} {lname} {ONCE_CALLS}", flush=True)
-                    continue
-                lib = libs[lname]
-                if case.startswith("sel:"):
+                elif case.startswith("sel:"):
+                    lib = libs[lname]
                     lib.reserve_select(R, a["table"].shape[1], Cp)
                     call = lib.select
                 else:
+                    lib = libs[lname]
                     lib.reserve_attention(R, splits)
                     call = functools.partial(lib.attention, splits=splits)
                 for _ in range(ONCE_CALLS):
