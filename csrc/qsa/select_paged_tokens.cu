@@ -697,7 +697,6 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
                                            uint32_t* __restrict__ dist, bool pairs) {
   constexpr int kLoads = key_loads<T>();
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
-  constexpr int kCtaGroups = kGroups;  // page groups per CTA
   __shared__ SelectShared sh;
   detail::grid_dependency_wait();  // before the first global access (a launch with pdl)
   const int64_t rl = blockIdx.y;
@@ -715,9 +714,9 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   // Either way a warp's chunk lies in one page.
   const int64_t first = (int64_t(grp) * gridDim.x + blockIdx.x) * kScoreChunk;
   constexpr bool streamed = kStreamed;  // == streamed_launch(ncap)
-  const bool spread = !streamed && int64_t(gridDim.x) * kCtaGroups * kScoreChunk > ncap;
+  const bool spread = !streamed && int64_t(gridDim.x) * kGroups * kScoreChunk > ncap;
   const int64_t wfirst =
-      spread ? (int64_t(gwarp) * kCtaGroups + grp) * gridDim.x * kWarpChunk +
+      spread ? (int64_t(gwarp) * kGroups + grp) * gridDim.x * kWarpChunk +
                    int64_t(blockIdx.x) * kWarpChunk
              : first + kWarpChunk * gwarp;
 
@@ -749,7 +748,7 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   const bool b_ok = b >= 0 && b < p.requests;
   const int32_t* table = p.page_table + (b_ok ? b : 0) * p.page_table_stride;
   const int64_t len = detail::ldg32_pred(p.sequence_lengths + (b_ok ? b : 0), b_ok, 0);
-  const int64_t stride = int64_t(gridDim.x) * kCtaGroups * kScoreChunk;
+  const int64_t stride = int64_t(gridDim.x) * kGroups * kScoreChunk;
   // The pages of the warp's first 2 kDepth chunks (the table's entries: the row's length is not
   // known yet; j < ncap: the table has the chunk's page, and with M = 0 there is none to read).
   // kPageChunks: one entry per chunk (a == b); else the pages of this lane's blocks j + g
