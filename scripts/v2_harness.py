@@ -870,7 +870,8 @@ def _upstream_scoring_once(a, case):
     up.indexer._topk = lambda *args: None
     R = a["q"].shape[0]
     assert bool((a["t2r"] == torch.arange(R, device="cuda")).all()), "a request per row"
-    a["vis"] = (torch.minimum(a["pos"] + 1, a["lens"].long()) // 4).to(torch.int32)
+    a["table"], lens = a["table"][:R], a["lens"][:R].long()  # R = 1: a second, unused request
+    a["vis"] = (torch.minimum(a["pos"].reshape(R) + 1, lens) // 4).to(torch.int32)
     a["bidx"] = torch.empty(R, 512, dtype=torch.int32, device="cuda")
     return functools.partial(upstream_scoring, up.indexer)
 
