@@ -576,29 +576,16 @@ def check(new: Lib, old: Lib, results: list, fails: list, alts: dict):
 
 
 def graph_time(fn_list, reps=15):
-    """Median us per call: one graph of every call in fn_list (each on other inputs)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for fn in fn_list[:2]:
-            fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            for fn in fn_list:
-                fn()
-    torch.cuda.synchronize()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / len(fn_list))
-    del g
+    """Median, min and max us per call over ``reps`` replays of one graph of every call in
+    fn_list (each on other inputs): the benchmark's graph unit, its first replay untimed."""
+    from custom_esimd_kernels_vllm.bench.timing import GraphUnit
+
+    unit = GraphUnit(lambda fn: fn(), fn_list, len(fn_list), torch.device("cuda"))
+    try:
+        unit()
+        times = [unit() * 1e6 for _ in range(reps)]
+    finally:
+        unit.close()
     return statistics.median(times), min(times), max(times)
 
 
