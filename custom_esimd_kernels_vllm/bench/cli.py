@@ -126,7 +126,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cuda or cpu (default: cuda when available; cpu with --quick)",
     )
     add("--out-dir", type=Path, default=Path("results"))
-    add("--name", default=None, help="file stem (default bench-<device name>)")
+    add(
+        "--name",
+        default=None,
+        help="file stem (default bench-<device name>; bench-<grid>-<device name> for the "
+        "seed, scale and dtype grids)",
+    )
     add(
         "--validation",
         type=Path,
@@ -167,6 +172,18 @@ def device_slug(device: torch.device) -> str:
         return "cpu"
     name = torch.cuda.get_device_name(device).lower()
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cuda"
+
+
+# Grids that time only a part of the default grid: their files carry the grid's name, so that
+# such a run never overwrites the device's full benchmark (or the validation's, which the GPU
+# record names).
+PARTIAL_GRIDS = ("seed", "scale", "dtype")
+
+
+def default_stem(grid: str, device: torch.device) -> str:
+    """File stem of a run: ``bench-<device>``, ``bench-<grid>-<device>`` for a partial grid."""
+    part = f"{grid}-" if grid in PARTIAL_GRIDS else ""
+    return f"bench-{part}{device_slug(device)}"
 
 
 def cpu_name() -> str:
@@ -356,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         return rerender(args.from_json)
     cfg, grid, time_budget = configure(args)
     t_start, cpu_start = time.perf_counter(), time.process_time()
-    stem = args.name or f"bench-{device_slug(cfg.device)}"
+    stem = args.name or default_stem(grid_name(args), cfg.device)
     data: dict = {
         "schema": SCHEMA,
         "stem": stem,

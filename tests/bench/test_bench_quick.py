@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from custom_esimd_kernels_vllm.bench import cases, cli
 
@@ -74,6 +75,15 @@ def test_time_budget_stops_adding_cases(tmp_path):
     assert data["cases"] == []
     assert any("time budget of 0 s exceeded" in n for n in data["notes"])
     assert "time budget" in (tmp_path / "bench-cpu.md").read_text()
+
+
+def test_a_partial_grid_writes_its_own_files():
+    """A dtype-grid run on a GPU host must not overwrite the device's full benchmark."""
+    cpu = torch.device("cpu")
+    assert cli.default_stem("dtype", cpu) == "bench-dtype-cpu"
+    assert cli.default_stem("seed", cpu) == "bench-seed-cpu"
+    for grid in ("default", "targets", "quick"):
+        assert cli.default_stem(grid, cpu) == "bench-cpu"
 
 
 def test_module_entry_point_help():
