@@ -1068,13 +1068,11 @@ def main():
                 if lname == "upstream":  # upstream's scoring kernel on the same tensors
                     call = _upstream_scoring_once(a, case)
                 elif case.startswith("sel:"):
-                    lib = libs[lname]
-                    lib.reserve_select(R, a["table"].shape[1], Cp)
-                    call = lib.select
+                    libs[lname].reserve_select(R, a["table"].shape[1], Cp)
+                    call = libs[lname].select
                 else:
-                    lib = libs[lname]
-                    lib.reserve_attention(R, splits)
-                    call = functools.partial(lib.attention, splits=splits)
+                    libs[lname].reserve_attention(R, splits)
+                    call = functools.partial(libs[lname].attention, splits=splits)
                 for _ in range(ONCE_CALLS):
                     call(a)
                 torch.cuda.synchronize()

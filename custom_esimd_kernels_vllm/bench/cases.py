@@ -263,20 +263,21 @@ def quick_cases() -> list[CaseSpec]:
     ]
 
 
+# The parts of the default grid, each also a grid of its own.
+PARTS = {"seed": seed_cases, "scale": scale_cases, "dtype": dtype_cases}
+
+
+def default_cases() -> list[CaseSpec]:
+    return [c for part in PARTS.values() for c in part()]
+
+
 def target_cases() -> list[CaseSpec]:
     """The validation subset (the timing section of the GPU validation record): the
     performance-table cases and the dtype cases with a target or marked for it."""
-    return [c for c in seed_cases() + scale_cases() + dtype_cases() if c.in_validation]
+    return [c for c in default_cases() if c.in_validation]
 
 
-GRIDS = {
-    "default": lambda: seed_cases() + scale_cases() + dtype_cases(),
-    "seed": seed_cases,
-    "scale": scale_cases,
-    "dtype": dtype_cases,
-    "targets": target_cases,
-    "quick": quick_cases,
-}
+GRIDS = {"default": default_cases, **PARTS, "targets": target_cases, "quick": quick_cases}
 
 
 def grid(name: str, ops: tuple[str, ...] = OPS) -> list[CaseSpec]:

@@ -130,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--name",
         default=None,
         help="file stem (default bench-<device name>; bench-<grid>-<device name> for the "
-        "seed, scale and dtype grids)",
+        f"{', '.join(cases.PARTS)} grids)",
     )
     add(
         "--validation",
@@ -174,15 +174,11 @@ def device_slug(device: torch.device) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cuda"
 
 
-# Grids that time only a part of the default grid: their files carry the grid's name, so that
-# such a run never overwrites the device's full benchmark (or the validation's, which the GPU
-# record names).
-PARTIAL_GRIDS = ("seed", "scale", "dtype")
-
-
 def default_stem(grid: str, device: torch.device) -> str:
-    """File stem of a run: ``bench-<device>``, ``bench-<grid>-<device>`` for a partial grid."""
-    part = f"{grid}-" if grid in PARTIAL_GRIDS else ""
+    """File stem of a run: ``bench-<device>``; ``bench-<grid>-<device>`` for a part of the
+    default grid (``cases.PARTS``), so that such a run never overwrites the device's full
+    benchmark (or the validation's, which the GPU record names)."""
+    part = f"{grid}-" if grid in cases.PARTS else ""
     return f"bench-{part}{device_slug(device)}"
 
 
