@@ -112,6 +112,7 @@ SCRIPTS = [
     ["ci/make_tiny_qwen4exp.py"],
     ["ci/readme_figures.py"],
     ["docker/images.py"],
+    ["scripts/gather_floor.py"],
     ["-m", "ci.pipeline"],
     ["-m", "ci.pipeline", "build"],
     ["-m", "ci.pipeline", "tests"],
