@@ -5,9 +5,9 @@ The attention cases read their K/V as one row per listed token (512 B in float8,
 bfloat16) at random places of the pool, a pattern DRAM serves slower than a stream. This
 script times, on the benchmark's own rotated copies of each attention case of a grid (graph
 replay, B/C/B against the operator), a read-only gather of exactly those token rows written
-in Triton (each program folds the 32-bit words of BT tokens by XOR; several shapes, the fastest
-kept): the fastest this host reads those bytes in that pattern, the floor the kernel's
-"% of floor" cannot reach.
+in Triton (each program folds the 32-bit words of BT tokens by XOR, the fold of a row checked
+against torch's; several shapes, the fastest kept): the fastest this host reads those bytes
+in that pattern, the floor the kernel's "% of floor" cannot reach.
 
     python3 scripts/gather_floor.py [--grid dtype] [--rows 64,256] [--out FILE.json]
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from floor_probes import xor_fold  # scripts/ is the script's own path entry
 
 from custom_esimd_kernels_vllm.qsa_ops import contract
 
@@ -79,6 +79,24 @@ def gather_call(bt: int, warps: int):
 SHAPES = ((8, 4), (16, 4), (32, 8))  # (tokens per program, warps)
 
 
+def expected_fold(a, row: int) -> int:
+    """The XOR of the 32-bit words of every K/V row ``row`` lists (what the gather's programs
+    of that row write, folded together)."""
+    k, pool = a["k_cache"], a["kv"]
+    tok = a["logical_indices"][row].long()
+    tok = tok[tok >= 0]
+    ps = k.shape[1]
+    phys = a["page_table"][int(a["token_to_req"][row])].long()[tok // ps]
+    return xor_fold(pool[:, -1][phys, tok % ps].contiguous().view(torch.int32))
+
+
+def check_read(a, row: int = 0) -> None:
+    got = xor_fold(a["_gather_out"][row])
+    want = expected_fold(a, row)
+    if got != want:
+        raise SystemExit(f"[gather-floor] row {row}: the gather read {got:#x}, expected {want:#x}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--grid", default="dtype")
@@ -108,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         for bt, warps in SHAPES:
             call = gather_call(bt, warps)
             gu = run.graph_unit(call, copies, timing.estimate_per_call(call, copies, dev), cfg)
-            pairs = timing.run_pairs(ku, gu, cfg.pairs, cfg.warmup_units)
-            g = statistics.median(p.candidate for p in pairs)
-            k = statistics.median(x for p in pairs for x in (p.baseline_before, p.baseline_after))
+            check_read(copies[0])
+            comp = timing.compare(timing.run_pairs(ku, gu, cfg.pairs, cfg.warmup_units))
+            g, k = comp.candidate_latency.median, comp.baseline_latency.median
             gu.close()
             if best is None or g < best[0]:
                 best = (g, k, bt, warps)

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_script_skips_without_a_gpu(capsys, monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # its own path entry when run
     spec = importlib.util.spec_from_file_location("gather_floor", ROOT / "scripts/gather_floor.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
