@@ -8,6 +8,11 @@
 #         -> results/gpu-validation.json
 #   bash scripts/gpu_session.sh bench [BENCH ARGS]
 #       = python3 -m ci.pipeline bench [BENCH ARGS]
+#   bash scripts/gpu_session.sh record WHEEL [BENCH ARGS]
+#       the GPU validation record of WHEEL in one call: the benchmark's dtype grid beside
+#       upstream vLLM's kernels in the same dtype (bench --grid dtype, the upstream modules
+#       from $QSA_UPSTREAM or an installed vllm; --commit: the wheel's commit), then validate
+#       -> results/bench-dtype-<gpu>.{json,md,png}, results/gpu-validation.json
 #   bash scripts/gpu_session.sh ab OUTDIR CASES BUILDS [TIME ARGS]
 #       candidates (BUILDS: alt_NAME, comma list) of the development shims that
 #       scripts/build_v2_harness.sh built into .harness, each in its own processes beside this
@@ -32,6 +37,28 @@ case "$MODE" in
     exec "$PY" -m ci.pipeline kernels "$@" ;;
   bench)
     exec "$PY" -m ci.pipeline bench "$@" ;;
+  record)
+    if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+      echo "usage: $0 record WHEEL [BENCH ARGS] (the dtype grid beside upstream, then validate)"
+      exit 0
+    fi
+    [[ $# -ge 1 && $1 == *.whl ]] || { echo "usage: $0 record WHEEL [BENCH ARGS]" >&2; exit 2; }
+    wheel=$1
+    shift
+    commit=$("$PY" - "$wheel" <<'PY'
+import json, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    name = next(n for n in z.namelist() if n.endswith("/provenance.json"))
+    print(json.loads(z.read(name))["git"]["commit"])
+PY
+    )
+    status=0
+    echo "== record of $wheel (commit $commit): the dtype grid beside upstream"
+    "$PY" -m ci.pipeline bench --wheel "$wheel" --grid dtype --impls kernel,upstream,upstream-score \
+      --compile none --no-host-overhead --no-decode-step --commit "$commit" "$@" || status=1
+    echo "== record of $wheel: validate (provenance, tests/gpu, sanitizers, timing)"
+    "$PY" -m ci.pipeline kernels --wheel "$wheel" || status=1
+    exit "$status" ;;
   ab)
     if [[ ${1:-} == -h || ${1:-} == --help ]]; then
       echo "usage: $0 ab OUTDIR CASES BUILDS [TIME ARGS] (scripts/v2_harness.py --help: CASES,"
@@ -73,9 +100,11 @@ case "$MODE" in
     done
     exit "$status" ;;
   -h|--help)
-    echo "usage: $0 validate [WHEEL] [PYTEST ARGS] | bench [BENCH ARGS] | ab OUTDIR CASES BUILDS [TIME ARGS]"
+    echo "usage: $0 validate [WHEEL] [PYTEST ARGS] | bench [BENCH ARGS] | record WHEEL [BENCH ARGS]"
+    echo "       | ab OUTDIR CASES BUILDS [TIME ARGS]"
     echo "(validate --help, bench --help: the step's own arguments)" ;;
   *)
-    echo "usage: $0 validate [WHEEL] [PYTEST ARGS] | bench [BENCH ARGS] | ab OUTDIR CASES BUILDS [TIME ARGS]" >&2
+    echo "usage: $0 validate [WHEEL] [PYTEST ARGS] | bench [BENCH ARGS] | record WHEEL [BENCH ARGS]" >&2
+    echo "       | ab OUTDIR CASES BUILDS [TIME ARGS]" >&2
     exit 2 ;;
 esac
