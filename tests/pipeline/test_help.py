@@ -146,8 +146,13 @@ def test_scripts_help_prints_and_leaves_the_tree_as_it_was(images, tmp_path):
         )
         assert res.returncode == 0, (argv, res.stdout + res.stderr)
         assert "usage:" in res.stdout, (argv, res.stdout)
-    for args in (["--help"], ["validate", "--help"], ["bench", "-h"], ["record", "--help"],
-                 ["ab", "--help"]):
+    for args in (
+        ["--help"],
+        ["validate", "--help"],
+        ["bench", "-h"],
+        ["record", "--help"],
+        ["ab", "--help"],
+    ):
         res = subprocess.run(
             ["bash", "scripts/gpu_session.sh", *args],
             cwd=src,
