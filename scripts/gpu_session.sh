@@ -11,7 +11,7 @@
 #   bash scripts/gpu_session.sh record WHEEL [BENCH ARGS]
 #       the GPU validation record of WHEEL in one call: the benchmark's dtype grid beside
 #       upstream vLLM's kernels in the same dtype (bench --grid dtype, the upstream modules
-#       from $QSA_UPSTREAM or an installed vllm; --commit: the wheel's commit), then validate
+#       from $QSA_UPSTREAM or an installed vllm), then validate
 #       -> results/bench-dtype-<gpu>.{json,md,png}, results/gpu-validation.json
 #   bash scripts/gpu_session.sh ab OUTDIR CASES BUILDS [TIME ARGS]
 #       candidates (BUILDS: alt_NAME, comma list) of the development shims that
@@ -25,6 +25,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
+usage() {
+  echo "usage: $0 validate [WHEEL] [PYTEST ARGS] | bench [BENCH ARGS] | record WHEEL [BENCH ARGS]"
+  echo "       | ab OUTDIR CASES BUILDS [TIME ARGS]"
+}
 MODE="${1:-validate}"
 shift || true
 case "$MODE" in
@@ -45,17 +49,11 @@ case "$MODE" in
     [[ $# -ge 1 && $1 == *.whl ]] || { echo "usage: $0 record WHEEL [BENCH ARGS]" >&2; exit 2; }
     wheel=$1
     shift
-    commit=$("$PY" - "$wheel" <<'PY'
-import json, sys, zipfile
-with zipfile.ZipFile(sys.argv[1]) as z:
-    name = next(n for n in z.namelist() if n.endswith("/provenance.json"))
-    print(json.loads(z.read(name))["git"]["commit"])
-PY
-    )
     status=0
-    echo "== record of $wheel (commit $commit): the dtype grid beside upstream"
+    # (the bench step names the wheel's own commit, from its manifest)
+    echo "== record of $wheel: the dtype grid beside upstream"
     "$PY" -m ci.pipeline bench --wheel "$wheel" --grid dtype --impls kernel,upstream,upstream-score \
-      --compile none --no-host-overhead --no-decode-step --commit "$commit" "$@" || status=1
+      --compile none --no-host-overhead --no-decode-step "$@" || status=1
     echo "== record of $wheel: validate (provenance, tests/gpu, sanitizers, timing)"
     "$PY" -m ci.pipeline kernels --wheel "$wheel" || status=1
     exit "$status" ;;
@@ -100,11 +98,9 @@ PY
     done
     exit "$status" ;;
   -h|--help)
-    echo "usage: $0 validate [WHEEL] [PYTEST ARGS] | bench [BENCH ARGS] | record WHEEL [BENCH ARGS]"
-    echo "       | ab OUTDIR CASES BUILDS [TIME ARGS]"
+    usage
     echo "(validate --help, bench --help: the step's own arguments)" ;;
   *)
-    echo "usage: $0 validate [WHEEL] [PYTEST ARGS] | bench [BENCH ARGS] | record WHEEL [BENCH ARGS]" >&2
-    echo "       | ab OUTDIR CASES BUILDS [TIME ARGS]" >&2
+    usage >&2
     exit 2 ;;
 esac
