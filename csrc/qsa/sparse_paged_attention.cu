@@ -1304,22 +1304,19 @@ cudaError_t launch_small(const cudaLaunchConfig_t& cfg, const AttentionParams& p
 // The opt-in above 48 KiB of shared memory, once per device and kernel (a function attribute:
 // no stream work, so also while a graph is captured).
 template <typename QT, typename KT, bool kDeep>
-cudaError_t allow_pipe_smem() {
-  static std::atomic<uint64_t> done{0};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const uint64_t bit = uint64_t(1) << (device & 63);
+cudaError_t allow_pipe_smem(int device) {
+  static std::atomic<uint64_t> done{0};  // devices 0-63; others set it at every launch
+  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
   if (done.load(std::memory_order_acquire) & bit) return cudaSuccess;
-  err = cudaFuncSetAttribute(attention_kernel<QT, KT, kDeep>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, kPipeBytes);
+  const cudaError_t err = cudaFuncSetAttribute(
+      attention_kernel<QT, KT, kDeep>, cudaFuncAttributeMaxDynamicSharedMemorySize, kPipeBytes);
   if (err == cudaSuccess) done.fetch_or(bit, std::memory_order_acq_rel);
   return err;
 }
 #endif
 
 template <bool kDeep>
-cudaError_t launch_cluster(const cudaLaunchConfig_t& cfg, const AttentionParams& p,
+cudaError_t launch_cluster(const cudaLaunchConfig_t& cfg, int device, const AttentionParams& p,
                            const PageDiv& pdiv, int splits, int csize, float* parts) {
   return with_types(p, [&](auto qt, auto kt) {
     using QT = decltype(qt);
@@ -1335,7 +1332,7 @@ cudaError_t launch_cluster(const cudaLaunchConfig_t& cfg, const AttentionParams&
 #endif
 #if QSA_ATTN_MMA
     if constexpr (mma_path<KT>()) {  // the float8 loop's stages: dynamic shared memory
-      const cudaError_t err = allow_pipe_smem<QT, KT, kDeep>();
+      const cudaError_t err = allow_pipe_smem<QT, KT, kDeep>(device);
       if (err != cudaSuccess) return err;
       cudaLaunchConfig_t pcfg = cfg;
       pcfg.dynamicSmemBytes = kPipeBytes;
@@ -1473,8 +1470,8 @@ cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream
   // NOTES: at most one CTA per SM (the split rule's grids from 9 to 132 rows): the deep
   // variant (NOTES-kernels.md, v9a).
   const bool deep = p.rows * splits <= sms;
-  err = deep ? launch_cluster<true>(cfg, p, pdiv, splits, csize, parts)
-             : launch_cluster<false>(cfg, p, pdiv, splits, csize, parts);
+  err = deep ? launch_cluster<true>(cfg, device, p, pdiv, splits, csize, parts)
+             : launch_cluster<false>(cfg, device, p, pdiv, splits, csize, parts);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
