@@ -157,6 +157,21 @@ __device__ __forceinline__ uint4 ldg16_nc(const void* p) {
   return v;
 }
 
+// 16 bytes global -> shared without registers (cp.async, L2 only), in the thread's current
+// group; cp_async_commit closes the group, cp_async_wait<N> waits until at most N of the
+// thread's groups are pending (the data then visible to the thread; __syncwarp for its warp).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
 template <bool kFirstLoad = false>
 __device__ __forceinline__ uint4 ldg16_pred(const void* p, bool pred) {
   uint4 v;

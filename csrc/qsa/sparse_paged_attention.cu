@@ -92,6 +92,10 @@ constexpr int kCounterSlots = 4096;                 // one per (row, slice) when
 constexpr int kMaxRounds = (kWidth + kThreads - 1) / kThreads;
 constexpr int kSlotCap = kWarps * kMaxRounds * 32;
 constexpr float kLog2e = 1.4426950408889634f;
+// A stage of the float8 loop (16 tokens x (K + V) x 256 bytes, in uint4) and the dynamic
+// shared memory of its CTA (two stages per warp).
+constexpr int kPipeStage = 16 * 2 * 256 / 16;
+constexpr int kPipeBytes = kWarps * 2 * kPipeStage * 16;
 static_assert(kThreads == kHeadDim, "the CTA merge gives each thread one dim of every head");
 
 // Division by the page size (runtime): i / d = (i * mul) >> shift for 0 <= i < 2^31
@@ -289,6 +293,10 @@ struct AttnShared {
   int is_last;
 };
 
+// sm_90's opt-in limit of a CTA's shared memory (227 KiB): the float8 loop's stages beside
+// the static part
+static_assert(kPipeBytes + sizeof(AttnShared) <= 227 * 1024, "float8 stages fit one SM");
+
 __device__ __forceinline__ void cluster_arrive_release() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
 }
@@ -483,45 +491,52 @@ __global__ void __launch_bounds__(kThreads, kDeep || mma_path<KT>() ? 1 : 2)
       const uint32_t hi = __shfl_sync(0xffffffffu, static_cast<uint32_t>(uint64_t(v) >> 32), src);
       return static_cast<int64_t>((uint64_t(hi) << 32) | lo);
     };
-    auto issue_k = [&](int g0, int64_t ko, uint4 (&kr)[8]) {
-      // NOTES (v37): one address per token, the chunks as offsets in the loads
-      const char* ta = kb + shfl64(ko, g) + c * 16;
-      const char* tb = kb + shfl64(ko, g + 8) + c * 16;
-      kr[0] = detail::ldg16_nc<0>(ta);
-      kr[1] = detail::ldg16_nc<64>(ta);
-      kr[2] = detail::ldg16_nc<128>(ta);
-      kr[3] = detail::ldg16_nc<192>(ta);
-      kr[4] = detail::ldg16_nc<0>(tb);
-      kr[5] = detail::ldg16_nc<64>(tb);
-      kr[6] = detail::ldg16_nc<128>(tb);
-      kr[7] = detail::ldg16_nc<192>(tb);
+    // NOTES (v50): each warp keeps two 16-token tiles of K|V in flight in shared memory
+    // (cp.async, no registers held for them): tile j + 2 goes out when tile j is read into
+    // registers, so a load has two tiles of compute to arrive instead of one (v31-v48: the
+    // loop with one tile in flight in registers ran at 1.2-1.3x the rows' read floor).
+    // A stage: K then V of 16 tokens, each row 16 chunks of 16 bytes, the chunks swizzled so
+    // that the fragment reads below are free of bank conflicts (K: row parity flips the
+    // half of the 128-byte line; V: the row's low two bits shift the chunk).
+    extern __shared__ uint4 pipe_smem[];
+    uint4* const st0 = pipe_smem + warp * (2 * kPipeStage);
+    uint4* const st1 = st0 + kPipeStage;
+    auto k_at = [](int row, int ch) { return row * 16 + (ch ^ ((row & 1) << 2)); };
+    auto v_at = [](int row, int ch) { return 256 + row * 16 + (ch ^ ((row & 3) << 1)); };
+    auto issue_tile = [&](int g0, uint4* st) {
+      int64_t ko, vo;
+      offsets(g0, ko, vo);
+      // 8 lanes a half row (128 contiguous bytes), four tokens an instruction: the 8 lanes of
+      // each shared-memory phase write 8 different bank groups
+      const int tq = lane >> 3, ch = lane & 7;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int t = tq + 4 * u;
+        const char* ks = kb + shfl64(ko, t) + ch * 16;
+        const char* vs = vb + shfl64(vo, t) + ch * 16;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          detail::cp_async16(st + k_at(t, ch + 8 * h), ks + h * 128);
+          detail::cp_async16(st + v_at(t, ch + 8 * h), vs + h * 128);
+        }
+      }
     };
-    // tokens c, c + 8, c + 4, c + 12 (k = 2c, 2c + 1, 2c + 8, 2c + 9 of the PV product)
-    auto issue_v = [&](int g0, int64_t vo, uint4 (&vr)[8]) {
+    // this lane's mma fragments: K tokens g, g + 8 at chunks c + 4 j (QK^T's A operand); V
+    // tokens c, c + 8, c + 4, c + 12 at chunks g, g + 8 (PV's A operand, bytes permuted below)
+    auto read_tile = [&](const uint4* st, uint4 (&kr)[8], uint4 (&vr)[8]) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        kr[j] = st[k_at(g, c + 4 * j)];
+        kr[4 + j] = st[k_at(g + 8, c + 4 * j)];
+      }
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
         const int tt = c + (t == 1 ? 8 : t == 2 ? 4 : t == 3 ? 12 : 0);
-        const char* tv = vb + shfl64(vo, tt) + g * 16;
-        vr[2 * t] = detail::ldg16_nc<0>(tv);
-        vr[2 * t + 1] = detail::ldg16_nc<128>(tv);
+        vr[2 * t] = st[v_at(tt, g)];
+        vr[2 * t + 1] = st[v_at(tt, g + 8)];
       }
     };
-    // NOTES (v32): V of the next tile goes out with its K, right after this tile's QK^T (V
-    // double-buffered, the loop unrolled by two with the buffers' roles swapped, so that no
-    // register copy waits for a load): both of the next tile's loads have a whole tile of
-    // compute to arrive.
-    uint4 kr[8], v0[8], v1[8];
-    int g0 = warp * kTile;
-    if (g0 < total) {
-      int64_t ko, vo;
-      offsets(g0, ko, vo);
-      issue_k(g0, ko, kr);
-      issue_v(g0, vo, v0);
-    }
-    auto tile = [&](int g0, uint4 (&vr)[8], uint4 (&vn)[8]) {
-      const int gn = g0 + kStep;
-      int64_t kon = 0, von = 0;
-      if (gn < total) offsets(gn, kon, von);
+    auto tile = [&](int g0, const uint4 (&kr)[8], const uint4 (&vr)[8]) {
       // S = K q^T: tokens g, g + 8 x heads 2c, 2c + 1
       // NOTES (v33): QSA_ATTN_QK_CHAINS independent accumulators (k-steps j, j +
       // chains, ...), summed after: one chain made the 16 mma of QK^T wait on each other
@@ -538,10 +553,6 @@ __global__ void __launch_bounds__(kThreads, kDeep || mma_path<KT>() ? 1 : 2)
       }
       float sc[4];
       detail::sum_chains(sq, sc);
-      if (gn < total) {
-        issue_k(gn, kon, kr);
-        issue_v(gn, von, vn);
-      }
       const bool va = g0 + g < total, vb8 = g0 + g + 8 < total;
       const float s0 = va ? sc[0] * scl_e : -INFINITY, s1 = va ? sc[1] * scl_o : -INFINITY;
       const float s2 = vb8 ? sc[2] * scl_e : -INFINITY, s3 = vb8 ? sc[3] * scl_o : -INFINITY;
@@ -596,11 +607,23 @@ __global__ void __launch_bounds__(kThreads, kDeep || mma_path<KT>() ? 1 : 2)
         }
       }
     };
-    for (; g0 < total; g0 += 2 * kStep) {
-      tile(g0, v0, v1);
-      if (g0 + kStep >= total) break;
-      tile(g0 + kStep, v1, v0);
+    int g0 = warp * kTile;
+    if (g0 < total) issue_tile(g0, st0);
+    detail::cp_async_commit();
+    if (g0 + kStep < total) issue_tile(g0 + kStep, st1);
+    detail::cp_async_commit();
+    for (int j = 0; g0 < total; g0 += kStep, ++j) {
+      uint4* const st = (j & 1) ? st1 : st0;
+      detail::cp_async_wait<1>();  // all but the newest group: tile j has landed
+      __syncwarp();
+      uint4 kr[8], vr[8];
+      read_tile(st, kr, vr);
+      __syncwarp();  // every lane's reads of the stage before it is refilled
+      if (g0 + 2 * kStep < total) issue_tile(g0 + 2 * kStep, st);
+      detail::cp_async_commit();  // (empty past the last tile: the count stays uniform)
+      tile(g0, kr, vr);
     }
+    detail::cp_async_wait<0>();
     // ---- Merge the warps of this CTA (fixed order) ---------------------------------------
     detail::allow_dependents();  // every K/V line read: the next kernel may take the SMs left
 #pragma unroll
@@ -1277,8 +1300,23 @@ cudaError_t launch_small(const cudaLaunchConfig_t& cfg, const AttentionParams& p
   });
 }
 
+#if QSA_ATTN_MMA
+// The opt-in above 48 KiB of shared memory, once per device and kernel (a function attribute:
+// no stream work, so also while a graph is captured).
+template <typename QT, typename KT, bool kDeep>
+cudaError_t allow_pipe_smem(int device) {
+  static std::atomic<uint64_t> done{0};  // devices 0-63; others set it at every launch
+  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+  if (done.load(std::memory_order_acquire) & bit) return cudaSuccess;
+  const cudaError_t err = cudaFuncSetAttribute(
+      attention_kernel<QT, KT, kDeep>, cudaFuncAttributeMaxDynamicSharedMemorySize, kPipeBytes);
+  if (err == cudaSuccess) done.fetch_or(bit, std::memory_order_acq_rel);
+  return err;
+}
+#endif
+
 template <bool kDeep>
-cudaError_t launch_cluster(const cudaLaunchConfig_t& cfg, const AttentionParams& p,
+cudaError_t launch_cluster(const cudaLaunchConfig_t& cfg, int device, const AttentionParams& p,
                            const PageDiv& pdiv, int splits, int csize, float* parts) {
   return with_types(p, [&](auto qt, auto kt) {
     using QT = decltype(qt);
@@ -1290,6 +1328,16 @@ cudaError_t launch_cluster(const cudaLaunchConfig_t& cfg, const AttentionParams&
         return cudaLaunchKernelEx(&cfg, attention_kernel<QT, KT, kDeep, true>, p, pdiv, splits,
                                   csize, parts);
       }
+    }
+#endif
+#if QSA_ATTN_MMA
+    if constexpr (mma_path<KT>()) {  // the float8 loop's stages: dynamic shared memory
+      const cudaError_t err = allow_pipe_smem<QT, KT, kDeep>(device);
+      if (err != cudaSuccess) return err;
+      cudaLaunchConfig_t pcfg = cfg;
+      pcfg.dynamicSmemBytes = kPipeBytes;
+      return cudaLaunchKernelEx(&pcfg, attention_kernel<QT, KT, kDeep>, p, pdiv, splits, csize,
+                                parts);
     }
 #endif
     return cudaLaunchKernelEx(&cfg, attention_kernel<QT, KT, kDeep>, p, pdiv, splits, csize,
@@ -1422,8 +1470,8 @@ cudaError_t sparse_paged_attention(const AttentionParams& p, cudaStream_t stream
   // NOTES: at most one CTA per SM (the split rule's grids from 9 to 132 rows): the deep
   // variant (NOTES-kernels.md, v9a).
   const bool deep = p.rows * splits <= sms;
-  err = deep ? launch_cluster<true>(cfg, p, pdiv, splits, csize, parts)
-             : launch_cluster<false>(cfg, p, pdiv, splits, csize, parts);
+  err = deep ? launch_cluster<true>(cfg, device, p, pdiv, splits, csize, parts)
+             : launch_cluster<false>(cfg, device, p, pdiv, splits, csize, parts);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
