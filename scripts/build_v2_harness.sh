@@ -14,8 +14,12 @@ cd "$(dirname "$0")/.."
 base=${1:-HEAD}
 out=.harness
 mkdir -p "$out/old"
+# -fno-gnu-unique: the builds share one process, and with default visibility an inline
+# function's static (e.g. a launch's once-per-device opt-in) would be one STB_GNU_UNIQUE object
+# for all of them, so a second build would take the first one's as its own.
 flags=(-gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 --expt-relaxed-constexpr
-       -Xcompiler=-fPIC -Xcompiler=-fvisibility=default -DNDEBUG -shared)
+       -Xcompiler=-fPIC -Xcompiler=-fvisibility=default -Xcompiler=-fno-gnu-unique -DNDEBUG
+       -shared)
 for f in common.cuh qsa.h contract.h select_paged_tokens.cu sparse_paged_attention.cu; do
   git show "$base:csrc/qsa/$f" > "$out/old/$f"
 done
