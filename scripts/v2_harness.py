@@ -931,6 +931,88 @@ def suite_call(tag, limit_s, call, check) -> int:
     return 0
 
 
+STAMP_CTAS, STAMP_SLOTS = 4096, 32  # select_paged_tokens.cu, QSA_SELECT_STAMPS
+STAMP_PHASES = ("load", "histogram", "scan", "gather", "rank+write", "tail")  # points 2 -> 8
+
+
+def _q(xs: list[float], f: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(f * len(xs)))] if xs else float("nan")
+
+
+def stamps(lname: str, lib: Lib, cases: str, out: Path) -> int:
+    """--stamps: the selection's phase stamps (a build with -DQSA_SELECT_STAMPS=1) of one call
+    per case, every row at its request's full length (as the benchmark's cases): the CTAs'
+    scoring, the last CTA's select phase by phase, and each SM's busy and idle time."""
+    report = {"build": lname, "device": torch.cuda.get_device_name(), "cases": {}}
+    for case in cases.split(","):
+        _, name, rows, *ctx = case.split(":")
+        dt, Cp, layers, ost, tpad = SEL_LAYOUTS[name]
+        R, ctx = int(rows), int(ctx[0]) if ctx else 32768
+        gen = torch.Generator(device="cuda")
+        gen.manual_seed(1)
+        a = select_case(R, dt, Cp, layers, ost, tpad, gen, ctx=ctx, P=R * (ctx * 50 // 32768),
+                        bad=False, integer=False, B=R)  # fmt: skip
+        a["pos"].copy_(a["lens"][a["t2r"].long()].to(a["pos"].dtype) - 1)  # full rows
+        lib.reserve_select(R, a["table"].shape[1], Cp)
+        for _ in range(3):
+            lib.select(a)
+        torch.cuda.synchronize()
+        if lib.lib.qsa_select_stamps(None, 1):
+            raise RuntimeError("qsa_select_stamps: clear failed")
+        lib.select(a)
+        torch.cuda.synchronize()
+        buf = (C.c_uint64 * (STAMP_CTAS * STAMP_SLOTS))()
+        if lib.lib.qsa_select_stamps(C.addressof(buf), 0):
+            raise RuntimeError("qsa_select_stamps: copy failed")
+        ctas = [list(buf[i * STAMP_SLOTS : (i + 1) * STAMP_SLOTS]) for i in range(STAMP_CTAS)]
+        ctas = [c for c in ctas if c[0]]
+        t0 = min(c[0] for c in ctas)
+        ends = [max(c[k] for k in range(9) if c[k]) for c in ctas]
+        span = max(ends) - t0
+        last = [c for c in ctas if c[8]]
+        res = {
+            "rows": R,
+            "ctas": len(ctas),
+            "span_us": span / 1e3,
+            "score_us": [_q([(c[1] - c[0]) / 1e3 for c in ctas], f) for f in (0.1, 0.5, 0.9)],
+            "arrive_us": [_q([(c[2] - c[1]) / 1e3 for c in ctas], f) for f in (0.1, 0.5, 0.9)],
+            "select_us": [_q([(c[8] - c[2]) / 1e3 for c in last], f) for f in (0.1, 0.5, 0.9)],
+            "phases_us": {},
+            "phases_cycles": {},
+        }
+        for k, ph in enumerate(STAMP_PHASES, start=2):
+            ok = [c for c in last if c[k] and c[k + 1]]
+            res["phases_us"][ph] = [
+                _q([(c[k + 1] - c[k]) / 1e3 for c in ok], f) for f in (0.5, 0.9)
+            ]
+            res["phases_cycles"][ph] = _q([c[16 + k + 1] - c[16 + k] for c in ok], 0.5)
+        sms: dict[int, list] = {}
+        for c, e in zip(ctas, ends, strict=True):
+            sms.setdefault(int(c[15]), []).append((c[0] - t0, e - t0))
+        busy = [sum(e - b for b, e in v) for v in sms.values()]
+        tail = [span - max(e for _, e in v) for v in sms.values()]
+        res["sms"] = len(sms)
+        res["sm_busy_fraction"] = sum(busy) / (len(sms) * span)
+        res["sm_tail_us"] = [_q([t / 1e3 for t in tail], f) for f in (0.1, 0.5, 0.9)]
+        res["select_sm_us_total"] = sum((c[8] - c[2]) / 1e3 for c in last)
+        report["cases"][case] = res
+        print(f"STAMPS {case}: span {res['span_us']:.1f} us, {len(ctas)} CTAs on {len(sms)} SMs "
+              f"(busy {res['sm_busy_fraction']:.1%}, tail p10/50/90 "
+              f"{'/'.join(f'{x:.1f}' for x in res['sm_tail_us'])} us); score p10/50/90 "
+              f"{'/'.join(f'{x:.2f}' for x in res['score_us'])} us; select "
+              f"{'/'.join(f'{x:.2f}' for x in res['select_us'])} us (sum "
+              f"{res['select_sm_us_total']:.0f} SM-us)", flush=True)  # fmt: skip
+        for ph in STAMP_PHASES:
+            m, p9 = res["phases_us"][ph]
+            print(f"  {ph:11s} median {m:6.2f} us  p90 {p9:6.2f} us  "
+                  f"({res['phases_cycles'][ph]} cycles)", flush=True)  # fmt: skip
+        del a
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "v2_stamps.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
 # Kernels that a call launches before its last one (a split selection's scores: v40, in builds
 # of its candidate branches; deleted on main): their durations count towards the next kernel.
 LEADING_KERNELS = ("select_kernel_scores",)
@@ -1022,6 +1104,14 @@ def main():
         ".harness/libqsa_alt_*.so): one build per process, so that a fault stops only its own",
     )
     ap.add_argument(
+        "--stamps",
+        default="",
+        metavar="CASES",
+        help="comma list of sel:LAYOUT:R[:CTX]: the selection's phase stamps of one call per "
+        "case (every row at its request's full length), from the --alts build made with "
+        "-DQSA_SELECT_STAMPS=1; v2_stamps.json in --out",
+    )
+    ap.add_argument(
         "--ab-report",
         default="",
         metavar="LOG",
@@ -1046,6 +1136,15 @@ def main():
         libs = {"new": new, **alt}
         keep = [n for n in args.suite_libs.split(",") if n] or list(libs)
         return suite({n: libs[n] for n in keep}, args.suite)
+    if args.stamps:  # the first --alts build made with -DQSA_SELECT_STAMPS=1
+        lname, lib = next(
+            ((n, b) for n, b in alt.items() if hasattr(b.lib, "qsa_select_stamps")), ("", None)
+        )
+        if lib is None:
+            sys.exit("--stamps: no build in .harness made with -DQSA_SELECT_STAMPS=1")
+        lib.lib.qsa_select_stamps.argtypes = [VP, I32]
+        lib.lib.qsa_select_stamps.restype = I32
+        return stamps(lname, lib, args.stamps, Path(args.out))
     if args.once:
         libs = {"new": new, "old": old, **alt}
         for case in args.once.split(","):
