@@ -3,7 +3,7 @@
 README.md holds each figure that comes from a record between ``<!-- record:NAME -->`` and
 ``<!-- /record -->``; the text between is what :data:`BLOCKS` renders from the GPU validation
 record (results/gpu-validation.json) and the benchmark record it embeds by name
-(results/bench-nvidia-h200.json, same run). After a new GPU validation run:
+(results/bench-<GPU>.json of the same run). After a new GPU validation run:
 
     python3 ci/readme_figures.py            rewrite the README's figure blocks from the records
     python3 ci/readme_figures.py --check    exit 1 when a block differs from its rendering
