@@ -940,19 +940,26 @@ def _q(xs: list[float], f: float) -> float:
     return xs[min(len(xs) - 1, int(f * len(xs)))] if xs else float("nan")
 
 
+def sel_once_case(case: str, gen):
+    """The tensors of a selection case sel:LAYOUT:R[:CTX] (SEL_LAYOUTS; CTX tokens, 32K, of a
+    request per row), with R and the layout's C."""
+    _, name, rows, *ctx = case.split(":")
+    dt, Cp, layers, ost, tpad = SEL_LAYOUTS[name]
+    R, ctx = int(rows), int(ctx[0]) if ctx else 32768
+    a = select_case(R, dt, Cp, layers, ost, tpad, gen, ctx=ctx, P=R * (ctx * 50 // 32768),
+                    bad=False, integer=False, B=R)  # fmt: skip
+    return a, R, Cp
+
+
 def stamps(lname: str, lib: Lib, cases: str, out: Path) -> int:
     """--stamps: the selection's phase stamps (a build with -DQSA_SELECT_STAMPS=1) of one call
     per case, every row at its request's full length (as the benchmark's cases): the CTAs'
     scoring, the last CTA's select phase by phase, and each SM's busy and idle time."""
     report = {"build": lname, "device": torch.cuda.get_device_name(), "cases": {}}
     for case in cases.split(","):
-        _, name, rows, *ctx = case.split(":")
-        dt, Cp, layers, ost, tpad = SEL_LAYOUTS[name]
-        R, ctx = int(rows), int(ctx[0]) if ctx else 32768
         gen = torch.Generator(device="cuda")
         gen.manual_seed(1)
-        a = select_case(R, dt, Cp, layers, ost, tpad, gen, ctx=ctx, P=R * (ctx * 50 // 32768),
-                        bad=False, integer=False, B=R)  # fmt: skip
+        a, R, Cp = sel_once_case(case, gen)
         a["pos"].copy_(a["lens"][a["t2r"].long()].to(a["pos"].dtype) - 1)  # full rows
         lib.reserve_select(R, a["table"].shape[1], Cp)
         for _ in range(3):
@@ -1151,12 +1158,7 @@ def main():
             gen = torch.Generator(device="cuda")
             gen.manual_seed(1)
             if case.startswith("sel:"):  # a selection case of SEL_LAYOUTS (sel:LAYOUT:R[:CTX])
-                _, name, rows, *ctx = case.split(":")
-                dt, Cp, layers, ost, tpad = SEL_LAYOUTS[name]
-                R, ctx = int(rows), int(ctx[0]) if ctx else 32768
-                a = select_case(R, dt, Cp, layers, ost, tpad, gen, ctx=ctx,
-                                P=R * (ctx * 50 // 32768), bad=False, integer=False,
-                                B=R)  # fmt: skip
+                a, R, Cp = sel_once_case(case, gen)
             else:  # an attention case of ATT_LAYOUTS on a 512K-token pool (LAYOUT:R[:SPLITS])
                 name, rows, *sp = case.split(":")
                 dt, kdt, ps, packed, layers, ist, tpad, gate = ATT_LAYOUTS[name]
