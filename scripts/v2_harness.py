@@ -940,14 +940,20 @@ def _q(xs: list[float], f: float) -> float:
     return xs[min(len(xs) - 1, int(f * len(xs)))] if xs else float("nan")
 
 
-def sel_once_case(case: str, gen):
-    """The tensors of a selection case sel:LAYOUT:R[:CTX] (SEL_LAYOUTS; CTX tokens, 32K, of a
-    request per row), with R and the layout's C."""
-    _, name, rows, *ctx = case.split(":")
+def sel_once_case(case: str, gen, full: bool = False):
+    """The tensors of a selection case sel:LAYOUT:R[:CTX][:full] (SEL_LAYOUTS; CTX tokens, 32K,
+    of a request per row; rows at positions from CTX / 2 to CTX, or with `full` (or `full`
+    given) every row at its request's full length, as the benchmark's cases), with R and the
+    layout's C."""
+    _, name, rows, *rest = case.split(":")
+    full = full or "full" in rest
+    rest = [x for x in rest if x != "full"]
     dt, Cp, layers, ost, tpad = SEL_LAYOUTS[name]
-    R, ctx = int(rows), int(ctx[0]) if ctx else 32768
+    R, ctx = int(rows), int(rest[0]) if rest else 32768
     a = select_case(R, dt, Cp, layers, ost, tpad, gen, ctx=ctx, P=R * (ctx * 50 // 32768),
                     bad=False, integer=False, B=R)  # fmt: skip
+    if full:
+        a["pos"].copy_(a["lens"][a["t2r"].long()].to(a["pos"].dtype) - 1)
     return a, R, Cp
 
 
@@ -959,8 +965,7 @@ def stamps(lname: str, lib: Lib, cases: str, out: Path) -> int:
     for case in cases.split(","):
         gen = torch.Generator(device="cuda")
         gen.manual_seed(1)
-        a, R, Cp = sel_once_case(case, gen)
-        a["pos"].copy_(a["lens"][a["t2r"].long()].to(a["pos"].dtype) - 1)  # full rows
+        a, R, Cp = sel_once_case(case, gen, full=True)
         lib.reserve_select(R, a["table"].shape[1], Cp)
         for _ in range(3):
             lib.select(a)
@@ -1082,7 +1087,8 @@ def main():
         metavar="CASES",
         help="comma list of LAYOUT:R[:SPLITS] (attention, ATT_LAYOUTS, 512K-token pool; SPLITS "
         "CTAs per row, default the library's choice) or "
-        "sel:LAYOUT:R[:CTX] (selection, SEL_LAYOUTS, CTX tokens (32K) of a request per row): "
+        "sel:LAYOUT:R[:CTX][:full] (selection, SEL_LAYOUTS, CTX tokens (32K) of a request per "
+        "row, positions CTX/2-CTX, or with :full every row at its full length): "
         "ONCE_CALLS calls of each "
         "--once-lib build, for a profiler (ncu -k regex:attention|select_kernel)",
     )
@@ -1157,7 +1163,7 @@ def main():
         for case in args.once.split(","):
             gen = torch.Generator(device="cuda")
             gen.manual_seed(1)
-            if case.startswith("sel:"):  # a selection case of SEL_LAYOUTS (sel:LAYOUT:R[:CTX])
+            if case.startswith("sel:"):  # a selection case (sel_once_case)
                 a, R, Cp = sel_once_case(case, gen)
             else:  # an attention case of ATT_LAYOUTS on a 512K-token pool (LAYOUT:R[:SPLITS])
                 name, rows, *sp = case.split(":")
