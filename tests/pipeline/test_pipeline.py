@@ -356,6 +356,18 @@ def test_bench_names_the_wheels_commit(pipeline, tmp_path, monkeypatch):
         assert "--grid" in args and pyenv == {"X": "1"}
 
 
+def test_timing_without_upstream_fails_the_record_check(pipeline):
+    """A timing section without vLLM's kernels beside ours fails the record's timing check,
+    naming what was expected, what was given and how to give it."""
+    from ci import gpu
+
+    assert gpu.upstream_missing({"upstream": {"available": True, "skip": None}}) == ""
+    why = gpu.upstream_missing({"upstream": {"available": False, "skip": "no vllm (x)"}})
+    assert why.startswith("timing: upstream: expected vLLM's QSA kernels beside ours, got none")
+    assert "(no vllm (x))" in why and "QSA_UPSTREAM" in why
+    assert "no upstream section" in gpu.upstream_missing({})
+
+
 def test_kernels_checks_are_chosen_by_name(pipeline):
     from ci import gpu
 
