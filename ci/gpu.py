@@ -101,9 +101,8 @@ def upstream_missing(timing: dict[str, Any]) -> str:
         return ""
     return (
         f"timing: upstream: expected vLLM's QSA kernels beside ours, got none "
-        f"({up.get('skip') or 'no upstream section'}); give QSA_UPSTREAM (the vllm wheel, or a "
-        f"zip or directory of vllm/models/qwen4_exp/nvidia/ops/{{qsa,qsa_indexer}}.py with the "
-        f"wheel's METADATA) or install vllm"
+        f"({up.get('skip') or 'no upstream section'}); give QSA_UPSTREAM or install vllm "
+        f"(docs/bench.md, 'The upstream baseline')"
     )
 
 

@@ -942,9 +942,9 @@ def _q(xs: list[float], f: float) -> float:
 
 def sel_once_case(case: str, gen, full: bool = False):
     """The tensors of a selection case sel:LAYOUT:R[:CTX][:full] (SEL_LAYOUTS; CTX tokens, 32K,
-    of a request per row; rows at positions from CTX / 2 to CTX, or with `full` (or `full`
-    given) every row at its request's full length, as the benchmark's cases), with R and the
-    layout's C."""
+    of a request per row; rows at positions from CTX / 2 to CTX, or, with :full in the case or
+    the argument full, every row at its request's full length, as the benchmark's cases), with
+    R and the layout's C."""
     _, name, rows, *rest = case.split(":")
     full = full or "full" in rest
     rest = [x for x in rest if x != "full"]
