@@ -113,6 +113,7 @@ SCRIPTS = [
     ["ci/readme_figures.py"],
     ["docker/images.py"],
     ["scripts/gather_floor.py"],
+    ["scripts/select_drain_model.py"],
     ["-m", "ci.pipeline"],
     ["-m", "ci.pipeline", "build"],
     ["-m", "ci.pipeline", "tests"],

@@ -1,0 +1,113 @@
+"""A fluid model of the selection launch at R = 256, full rows (development aid, CPU only).
+
+Every SM holds `share` resident CTAs; a CTA runs its prologue (the dependent loads before its
+keys), streams its share of the row's keys, arrives on the row's counter, and the row's last
+arrival selects the row. While n CTAs stream, each gets min(rmax / its SM's streaming CTAs,
+bw / n): HBM's rate (bw, taken from upstream's scoring alone, which is HBM-bound) is shared,
+and one SM streams at most rmax. The constants are the measured ones (NOTES: v51's stamps,
+the records' floors and upstream's scoring); rmax is the free parameter. The model's use is
+to rank the levers before a build, checked against what was measured:
+
+    python3 scripts/select_drain_model.py [--rmax 45,60]
+
+NOTES-kernels.md (eighteenth session) has its table, its calibration on the H100 (v49b and
+v52 measured) and what it predicts for the H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+SMS = 132
+# (floor us, copy bandwidth GB/s, upstream's scoring us, ours us) at float8 R = 256, full rows
+GPUS = {"H100": (92.3, 2933.0, 98.7, 108.1), "H200": (65.0, 4165.0, 71.4, 85.5)}
+
+
+def launch_us(items, parts, bw, rmax, share=1, pro=1.0, arr=2.0, sel=5.0):
+    """The launch's time (us): items = [(row, MB)] in dispatch order, parts[row] = its items;
+    bw and rmax in MB/us. Event-driven: rates change only when a CTA starts or stops
+    streaming."""
+    slots = [None] * (SMS * share)  # [phase, left (us or MB), row]
+    nxt, done, t = 0, {}, 0.0
+
+    def start(i):
+        nonlocal nxt
+        slots[i] = ["pro", pro, items[nxt]] if nxt < len(items) else None
+        nxt += nxt < len(items)
+
+    for i in range(len(slots)):
+        start(i)
+    while any(slots):
+        streaming = [i for i, s in enumerate(slots) if s and s[0] == "score"]
+        per_sm = {}
+        for i in streaming:
+            per_sm[i % SMS] = per_sm.get(i % SMS, 0) + 1
+        rate = {i: min(rmax / per_sm[i % SMS], bw / len(streaming)) for i in streaming}
+        # the next event: a timed phase ends or a stream runs out
+        dt = min(s[1] / rate[i] if s[0] == "score" else s[1] for i, s in enumerate(slots) if s)
+        t += dt
+        ended = []
+        for i, s in enumerate(slots):
+            if s:
+                s[1] -= rate[i] * dt if s[0] == "score" else dt
+                if s[1] <= 1e-9:
+                    ended.append(i)
+        for i in ended:
+            phase, _, (row, mb) = slots[i]
+            if phase == "pro":
+                slots[i] = ["score", mb, (row, mb)]
+            elif phase == "score":
+                slots[i] = ["arr", arr, (row, mb)]
+            elif phase == "arr":
+                done[row] = done.get(row, 0) + 1
+                if done[row] == parts[row]:
+                    slots[i] = ["sel", sel, (row, mb)]
+                else:
+                    start(i)
+            else:
+                start(i)
+    return t
+
+
+def rows_in_parts(rows, mb_row, tail_rows=0, tail_parts=2):
+    """Two items per row; the last tail_rows rows in tail_parts items (v52's shape)."""
+    items, parts = [], {}
+    for r in range(rows):
+        p = tail_parts if r >= rows - tail_rows else 2
+        parts[r] = p
+        items += [(r, mb_row / p)] * p
+    return items, parts
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rmax", default="45,60", help="one SM's streaming rates (GB/s), comma list")
+    rmaxes = [float(x) for x in ap.parse_args(argv).rmax.split(",")]
+    variants = [
+        ("main (2 CTAs per row, one per SM)", {}, (0, 2)),
+        ("v49b: two CTAs per SM", {"share": 2}, (0, 2)),
+        ("v52: the last 32 rows in 4 parts", {}, (32, 4)),
+        ("the select 2.5 us (not 5)", {"sel": 2.5}, (0, 2)),
+        ("the arrival 0.5 us (not 2)", {"arr": 0.5}, (0, 2)),
+        ("prologue 0.2 us, arrival 1 (a persistent grid)", {"pro": 0.2, "arr": 1.0}, (0, 2)),
+        ("the same, last 32 rows in 4 parts", {"pro": 0.2, "arr": 1.0}, (32, 4)),
+    ]
+    print("| variant | " + " | ".join(f"{g} rmax {r:g} GB/s" for g in GPUS for r in rmaxes) + " |")
+    print("|---" * (1 + len(GPUS) * len(rmaxes)) + "|")
+    base = {}
+    for name, kw, (tail_rows, tail_parts) in variants:
+        cells = []
+        for gpu, (floor_us, copy_gbs, upstream_us, _ours) in GPUS.items():
+            mb = floor_us * copy_gbs / 1e3  # the case's bytes (MB)
+            items, parts = rows_in_parts(256, mb / 256, tail_rows, tail_parts)
+            for rmax in rmaxes:
+                t = launch_us(items, parts, mb / upstream_us, rmax / 1e3, **kw)
+                ref = base.setdefault((gpu, rmax), t)
+                cells.append(f"{t:.1f} ({t / ref:.3f})")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+    print("measured: " + ", ".join(f"{g} ours {v[3]} us" for g, v in GPUS.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
