@@ -4,8 +4,9 @@ Every SM holds `share` resident CTAs; a CTA runs its prologue (the dependent loa
 keys), streams its share of the row's keys, arrives on the row's counter, and the row's last
 arrival selects the row. While n CTAs stream, each gets min(rmax / its SM's streaming CTAs,
 bw / n): HBM's rate (bw, taken from upstream's scoring alone, which is HBM-bound) is shared,
-and one SM streams at most rmax. The constants are the measured ones (NOTES: v51's stamps,
-the records' floors and upstream's scoring); rmax is the free parameter. The model's use is
+and one SM streams at most rmax. The case's bytes, upstream's scoring time and ours come from
+the committed dtype records (results/bench-dtype-<gpu>.json), the per-CTA times from v51's
+stamps (NOTES); rmax is the free parameter. The model's use is
 to rank the levers before a build, checked against what was measured:
 
     python3 scripts/select_drain_model.py [--rmax 45,60]
@@ -17,17 +18,34 @@ v52 measured) and what it predicts for the H200.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 SMS = 132
-# (floor us, copy bandwidth GB/s, upstream's scoring us, ours us) at float8 R = 256, full rows
-GPUS = {"H100": (92.3, 2933.0, 98.7, 108.1), "H200": (65.0, 4165.0, 71.4, 85.5)}
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+RECORDS = {  # the dtype records the model is calibrated on
+    "H100": RESULTS / "bench-dtype-nvidia-h100-80gb-hbm3.json",
+    "H200": RESULTS / "bench-dtype-nvidia-h200.json",
+}
+
+
+def record_case(path):
+    """(the case's bytes in MB, HBM's rate in MB/us = those bytes over upstream's scoring alone,
+    our time in us) of float8 selection at R = 256, full rows, graph replay, from a record."""
+    for case in json.loads(Path(path).read_text())["cases"]:
+        spec = case["spec"]
+        if (spec["op"], spec["rows"], spec["layout"]) == ("selection", 256, "vllm_fp8_784"):
+            median = {k: v["median"] * 1e6 for k, v in case["modes"]["graph"]["latency"].items()}
+            mb = case["floor"]["total"] / 1e6
+            return mb, mb / median["upstream-score"], median["kernel"]
+    raise SystemExit(f"{path}: no float8 selection case at R = 256")
 
 
 def launch_us(items, parts, bw, rmax, share=1, pro=1.0, arr=2.0, sel=5.0):
     """The launch's time (us): items = [(row, MB)] in dispatch order, parts[row] = its items;
     bw and rmax in MB/us. Event-driven: rates change only when a CTA starts or stops
     streaming."""
-    slots = [None] * (SMS * share)  # [phase, left (us or MB), row]
+    slots = [None] * (SMS * share)  # [phase, left (us or MB), (row, MB)]
     nxt, done, t = 0, {}, 0.0
 
     def start(i):
@@ -92,20 +110,20 @@ def main(argv=None):
         ("prologue 0.2 us, arrival 1 (a persistent grid)", {"pro": 0.2, "arr": 1.0}, (0, 2)),
         ("the same, last 32 rows in 4 parts", {"pro": 0.2, "arr": 1.0}, (32, 4)),
     ]
-    print("| variant | " + " | ".join(f"{g} rmax {r:g} GB/s" for g in GPUS for r in rmaxes) + " |")
-    print("|---" * (1 + len(GPUS) * len(rmaxes)) + "|")
+    cases = {gpu: record_case(path) for gpu, path in RECORDS.items()}
+    print("| variant | " + " | ".join(f"{g} rmax {r:g} GB/s" for g in cases for r in rmaxes) + " |")
+    print("|---" * (1 + len(cases) * len(rmaxes)) + "|")
     base = {}
     for name, kw, (tail_rows, tail_parts) in variants:
         cells = []
-        for gpu, (floor_us, copy_gbs, upstream_us, _ours) in GPUS.items():
-            mb = floor_us * copy_gbs / 1e3  # the case's bytes (MB)
+        for gpu, (mb, bw, _ours) in cases.items():
             items, parts = rows_in_parts(256, mb / 256, tail_rows, tail_parts)
             for rmax in rmaxes:
-                t = launch_us(items, parts, mb / upstream_us, rmax / 1e3, **kw)
+                t = launch_us(items, parts, bw, rmax / 1e3, **kw)
                 ref = base.setdefault((gpu, rmax), t)
                 cells.append(f"{t:.1f} ({t / ref:.3f})")
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
-    print("measured: " + ", ".join(f"{g} ours {v[3]} us" for g, v in GPUS.items()))
+    print("measured: " + ", ".join(f"{g} ours {v[2]:.1f} us" for g, v in cases.items()))
     return 0
 
 

@@ -21,22 +21,16 @@ def model():
     return mod
 
 
-def case(model, gpu):
-    floor_us, copy_gbs, upstream_us, ours_us = model.GPUS[gpu]
-    mb = floor_us * copy_gbs / 1e3
-    return mb, mb / upstream_us, ours_us
-
-
 @pytest.mark.parametrize("gpu,tol", [("H200", 0.02), ("H100", 0.05)])
 def test_main_launch_is_the_measured_one(model, gpu, tol):
-    mb, bw, ours_us = case(model, gpu)
+    mb, bw, ours_us = model.record_case(model.RECORDS[gpu])
     items, parts = model.rows_in_parts(256, mb / 256)
     t = model.launch_us(items, parts, bw, 0.060)
     assert abs(t / ours_us - 1) < tol, (gpu, t, ours_us)
 
 
 def test_every_row_selected_once_and_the_bytes_conserved(model):
-    mb, bw, _ = case(model, "H200")
+    mb, bw, _ = model.record_case(model.RECORDS["H200"])
     items, parts = model.rows_in_parts(256, mb / 256, tail_rows=32, tail_parts=4)
     assert sum(m for _, m in items) == pytest.approx(mb)
     assert sum(parts.values()) == len(items) and len(parts) == 256
