@@ -77,7 +77,14 @@ static_assert(kWidth == kBlockTopk * kRatio + QSA_TAIL, "row width");
 // that equal scores are equal bit for bit with the reference.
 constexpr float kScoreScale = static_cast<float>(0.088388347648318440550105545263);
 
-constexpr int kThreads = 512;                  // 16 warps
+// QSA_SELECT_THREADS (v49): threads per CTA, 512 (one CTA per SM, 16 warps) or 256 (two CTAs
+// per SM: a row's select on one overlaps the other's scoring).
+#ifndef QSA_SELECT_THREADS
+#define QSA_SELECT_THREADS 512
+#endif
+constexpr int kThreads = QSA_SELECT_THREADS;
+static_assert(kThreads == 512 || kThreads == 256, "512 or 256 threads per CTA");
+constexpr int kCtasPerSm = 512 / kThreads;     // 16 warps per SM either way
 constexpr int kWarps = kThreads / 32;
 constexpr int kGroupThreads = 256;             // a page group: 8 warps x 16 blocks = one page
 constexpr int kGroups = kThreads / kGroupThreads;
@@ -112,7 +119,8 @@ __host__ __device__ constexpr int64_t padded_page(int64_t c) {
 constexpr int kDigitShift = 15;
 constexpr int kDigitBins = 4096;
 constexpr int kBinsPerThread = kDigitBins / kThreads;
-static_assert(kBinsPerThread == 8, "a thread's bins are two 16-byte words of shared memory");
+constexpr int kBinWords = kBinsPerThread / 4;  // a thread's bins: 16-byte words of shared memory
+static_assert(kBinsPerThread % 4 == 0, "a thread's bins are whole 16-byte words");
 constexpr int kBufCap = 1024;                  // keys at or above the threshold bin (fast path)
 constexpr int kRankWorkCap = 1 << 18;          // sum over those bins of count^2 (fast path)
 static_assert(uint64_t(kWarps) * 32 * (kRankWorkCap + 1) < (uint64_t(1) << 32),
@@ -121,7 +129,7 @@ static_assert(uint64_t(kBinsPerThread) * (kBufCap + 1) * (kBufCap + 1) < (uint64
               "a thread's clamped rank work fits 32 bits");
 constexpr int kRadixBins = 2048;               // generic path: 11-bit digits (11, 11, 10)
 constexpr int kRadixUnroll = 4;
-constexpr int kStreamUnroll = 8;               // 16-byte key loads in flight per thread
+constexpr int kStreamUnroll = 4096 / kThreads;  // 16-byte key loads in flight per thread (8)
 constexpr int kWideCtas = 4;                   // CTAs per row when rows outnumber the SMs
 #ifndef QSA_SELECT_WIDE_FP8
 #define QSA_SELECT_WIDE_FP8 2
@@ -314,6 +322,7 @@ __device__ __forceinline__ int block_inclusive_scan(int x, int* warp_sums) {
 // A tile of a row's keys: thread t holds blocks base + (u * kThreads + t) * 4 + (0..3), u < 8
 // (keys written by other CTAs of this launch: read through L2). Missing blocks read as 0.
 constexpr int kTile = kThreads * 4 * kStreamUnroll;  // 16384 blocks
+static_assert(kTile == 16384, "the resident tile holds 16384 blocks");
 
 // A launch whose table can hold more than kTile blocks: its rows may be streamed.
 __host__ __device__ constexpr bool streamed_launch(int64_t ncap) { return ncap > kTile; }
@@ -1246,14 +1255,11 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   const int bin0 = kDigitBins - kBinsPerThread * (tid + 1);  // its lowest bin
   int cnt[kBinsPerThread];
   int sum = 0;
-  {
-    const uint4 lo4 = *reinterpret_cast<const uint4*>(start + bin0);
-    const uint4 hi4 = *reinterpret_cast<const uint4*>(start + bin0 + 4);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      cnt[i] = int(word(hi4, 3 - i));  // bin 4095 - 8 tid - i
-      cnt[4 + i] = int(word(lo4, 3 - i));
-    }
+  for (int q = 0; q < kBinWords; ++q) {  // bins bin0 + 4 q + i = 4095 - 8 tid - (7 - 4 q - i)
+    const uint4 w4 = *reinterpret_cast<const uint4*>(start + bin0 + 4 * q);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cnt[kBinsPerThread - 1 - 4 * q - i] = int(word(w4, i));
   }
 #pragma unroll
   for (int i = 0; i < kBinsPerThread; ++i) sum += cnt[i];
@@ -1290,10 +1296,17 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
         run += cnt[i];
       }
       // st[i] is bin 4095 - 8 tid - i = bin0 + 7 - i
-      *reinterpret_cast<uint4*>(start + bin0) = make_uint4(st[7], st[6], st[5], st[4]);
-      *reinterpret_cast<uint4*>(start + bin0 + 4) = make_uint4(st[3], st[2], st[1], st[0]);
-      *reinterpret_cast<uint4*>(cursor + bin0) = make_uint4(cu[7], cu[6], cu[5], cu[4]);
-      *reinterpret_cast<uint4*>(cursor + bin0 + 4) = make_uint4(cu[3], cu[2], cu[1], cu[0]);
+      constexpr int h = kBinsPerThread - 1;
+#pragma unroll
+      for (int q = 0; q < kBinWords; ++q) {
+        *reinterpret_cast<uint4*>(start + bin0 + 4 * q) =
+            make_uint4(st[h - 4 * q], st[h - 4 * q - 1], st[h - 4 * q - 2], st[h - 4 * q - 3]);
+      }
+#pragma unroll
+      for (int q = 0; q < kBinWords; ++q) {
+        *reinterpret_cast<uint4*>(cursor + bin0 + 4 * q) =
+            make_uint4(cu[h - 4 * q], cu[h - 4 * q - 1], cu[h - 4 * q - 2], cu[h - 4 * q - 3]);
+      }
     }
     w = __reduce_add_sync(0xffffffffu, min(w, uint32_t(kRankWorkCap) + 1u));
     if (lane == 0 && w) atomicAdd(&sh.work, w);
@@ -1370,7 +1383,7 @@ using KernelFn = void (*)(SelectParams, KeyDiv, int64_t, int64_t, uint32_t*, int
                           uint32_t*, bool);
 
 template <typename T, bool kStreamed, bool kPageChunks>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, kCtasPerSm)
     select_kernel(SelectParams p, KeyDiv cdiv, int64_t row0, int64_t ncap,
                   uint32_t* __restrict__ keys, int32_t* __restrict__ counters,
                   uint32_t* __restrict__ dist, bool pairs) {
@@ -1460,7 +1473,8 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
   const int64_t g = group_rows(p.rows, p.table_width, c);
   const int64_t chunks = std::max<int64_t>(1, (ncap + kScoreChunk - 1) / kScoreChunk);
   // The SMs of the stream's partition (the device's, where it is not partitioned).
-  const int64_t sms = detail::stream_sm_count(stream, detail::sm_count());
+  // v49: with two CTAs per SM each SM counts as two slots for the CTAs per row below.
+  const int64_t sms = detail::stream_sm_count(stream, detail::sm_count()) * kCtasPerSm;
   for (int64_t row0 = 0; row0 < p.rows; row0 += g) {
     const int64_t n = std::min<int64_t>(g, p.rows - row0);
     // NOTES: up to one row per SM, one wave: the grid is at most one CTA per SM (short
@@ -1473,8 +1487,8 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     // end of a wave).
     // v32: float8 keys are half the bytes per CTA, so two CTAs per row instead of four (ncu,
     // H100, R = 256 at 32K: 2 CTAs 0.91x the time of 4, 8 CTAs 1.22x; bfloat16: 2 CTAs 0.99x).
-    const int64_t wide = p.dtype == DType::kFloat8E4M3 ? kWideCtasFp8 : kWideCtas;
-    const int64_t per_row = n > sms ? wide : std::max<int64_t>(1, sms / n);
+    const int64_t wide = (p.dtype == DType::kFloat8E4M3 ? kWideCtasFp8 : kWideCtas) * kCtasPerSm;
+    const int64_t per_row = n * kCtasPerSm > sms ? wide : std::max<int64_t>(1, sms / n);
     // v7w: a launch without streamed rows spreads a short row over up to one CTA per warp
     // chunk (16 blocks) instead of one per page.
     const int64_t ctas = std::min(
