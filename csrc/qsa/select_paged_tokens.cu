@@ -130,6 +130,12 @@ static_assert(uint64_t(kBinsPerThread) * (kBufCap + 1) * (kBufCap + 1) < (uint64
 constexpr int kRadixBins = 2048;               // generic path: 11-bit digits (11, 11, 10)
 constexpr int kRadixUnroll = 4;
 constexpr int kStreamUnroll = 4096 / kThreads;  // 16-byte key loads in flight per thread (8)
+// QSA_SELECT_STREAM_SLOTS (v49): the tile slots of a launch with streamed rows (its rows of
+// at most that many slots' blocks stay resident, longer ones stream tile by tile).
+#ifndef QSA_SELECT_STREAM_SLOTS
+#define QSA_SELECT_STREAM_SLOTS kStreamUnroll
+#endif
+constexpr int tile_slots(bool streamed) { return streamed ? QSA_SELECT_STREAM_SLOTS : kStreamUnroll; }
 constexpr int kWideCtas = 4;                   // CTAs per row when rows outnumber the SMs
 #ifndef QSA_SELECT_WIDE_FP8
 #define QSA_SELECT_WIDE_FP8 2
@@ -364,11 +370,10 @@ __device__ __forceinline__ void load_tile(const uint32_t* keys, int nbv, int bas
 }
 
 // f(j, key) for the tile's usable blocks (key != 0).
-template <bool kBounded, typename F>
-__device__ __forceinline__ void visit_tile(const uint4 (&v)[kStreamUnroll], int base, int nbv,
-                                           F&& f) {
+template <bool kBounded, int kN, typename F>
+__device__ __forceinline__ void visit_tile(const uint4 (&v)[kN], int base, int nbv, F&& f) {
 #pragma unroll
-  for (int u = 0; u < kStreamUnroll; ++u) {
+  for (int u = 0; u < kN; ++u) {
     if constexpr (kBounded) {
       if (base + u * kThreads * 4 >= nbv) break;  // uniform over the CTA
     }
@@ -384,15 +389,15 @@ __device__ __forceinline__ void visit_tile(const uint4 (&v)[kStreamUnroll], int 
 // f(j, key) for every usable block of a row: from the registers of a resident tile (rows of
 // at most kTile blocks, loaded once with load_tile<true>), else streamed through L2 tile by
 // tile.
-template <typename F>
+template <int kN, typename F>
 __device__ __forceinline__ void for_each_key(const uint32_t* keys, int nbv, bool resident,
-                                             const uint4 (&tile)[kStreamUnroll], F&& f) {
+                                             const uint4 (&tile)[kN], F&& f) {
   if (resident) {
     visit_tile<true>(tile, 0, nbv, f);
     return;
   }
-  for (int base = 0; base < nbv; base += kTile) {
-    uint4 v[kStreamUnroll];
+  for (int base = 0; base < nbv; base += kThreads * 4 * kN) {
+    uint4 v[kN];
     load_tile<false>(keys, nbv, base, v);
     visit_tile<false>(v, base, nbv, f);
   }
@@ -1197,15 +1202,16 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   uint32_t* cursor = sh.u.f.cursor;
   // Histogram of the first digit over usable keys (start[] zeroed before the arrival). The
   // keys of rows of at most kTile blocks stay in registers for the second pass.
-  const bool resident = !streamed || (!dist_row && nv <= kTile);
-  uint4 tile[kStreamUnroll];
+  constexpr int kSlots = tile_slots(kStreamed);
+  const bool resident = !streamed || (!dist_row && nv <= kThreads * 4 * kSlots);
+  uint4 tile[kSlots];
   if (resident) load_tile<true>(K, nv, 0, tile);
   if (!streamed) {
     uint32_t m = 0;
 #pragma unroll
-    for (int u = 0; u < kStreamUnroll; ++u) m = max(max(tile[u].x, tile[u].y), max(tile[u].z, m));
+    for (int u = 0; u < kSlots; ++u) m = max(max(tile[u].x, tile[u].y), max(tile[u].z, m));
 #pragma unroll
-    for (int u = 0; u < kStreamUnroll; ++u) m = max(tile[u].w, m);
+    for (int u = 0; u < kSlots; ++u) m = max(tile[u].w, m);
     m = __reduce_max_sync(0xffffffffu, m);
     if (lane == 0) sh.scan[tid >> 5] = static_cast<int>(m);  // read before the next scan
   }
