@@ -77,17 +77,8 @@ static_assert(kWidth == kBlockTopk * kRatio + QSA_TAIL, "row width");
 // that equal scores are equal bit for bit with the reference.
 constexpr float kScoreScale = static_cast<float>(0.088388347648318440550105545263);
 
-// QSA_SELECT_THREADS (v49): threads per CTA, 512 (one CTA per SM, 16 warps) or 256 (two CTAs
-// per SM: a row's select on one overlaps the other's scoring).
-#ifndef QSA_SELECT_THREADS
-#define QSA_SELECT_THREADS 512
-#endif
-constexpr int kThreads = QSA_SELECT_THREADS;
-static_assert(kThreads == 512 || kThreads == 256, "512 or 256 threads per CTA");
-constexpr int kCtasPerSm = 512 / kThreads;     // 16 warps per SM either way
-constexpr int kWarps = kThreads / 32;
+constexpr int kMaxWarps = 16;                  // 16 warps per SM: one CTA of 512 or two of 256
 constexpr int kGroupThreads = 256;             // a page group: 8 warps x 16 blocks = one page
-constexpr int kGroups = kThreads / kGroupThreads;
 constexpr int kWarpChunk = 16;                 // blocks a warp scores at a time (mma rows)
 constexpr int kScoreChunk = kWarpChunk * (kGroupThreads / 32);  // blocks per group iteration
 // NOTES (contract v2): a page holds C keys (any C >= 1). A group iteration scores kScoreChunk
@@ -118,24 +109,35 @@ __host__ __device__ constexpr int64_t padded_page(int64_t c) {
 // walks a key's whole bin.
 constexpr int kDigitShift = 15;
 constexpr int kDigitBins = 4096;
-constexpr int kBinsPerThread = kDigitBins / kThreads;
-constexpr int kBinWords = kBinsPerThread / 4;  // a thread's bins: 16-byte words of shared memory
-static_assert(kBinsPerThread % 4 == 0, "a thread's bins are whole 16-byte words");
 constexpr int kBufCap = 1024;                  // keys at or above the threshold bin (fast path)
 constexpr int kRankWorkCap = 1 << 18;          // sum over those bins of count^2 (fast path)
-static_assert(uint64_t(kWarps) * 32 * (kRankWorkCap + 1) < (uint64_t(1) << 32),
-              "the saturated rank work of the CTA fits 32 bits");
-static_assert(uint64_t(kBinsPerThread) * (kBufCap + 1) * (kBufCap + 1) < (uint64_t(1) << 32),
-              "a thread's clamped rank work fits 32 bits");
 constexpr int kRadixBins = 2048;               // generic path: 11-bit digits (11, 11, 10)
 constexpr int kRadixUnroll = 4;
-constexpr int kStreamUnroll = 4096 / kThreads;  // 16-byte key loads in flight per thread (8)
-// QSA_SELECT_STREAM_SLOTS (v49): the tile slots of a launch with streamed rows (its rows of
-// at most that many slots' blocks stay resident, longer ones stream tile by tile).
-#ifndef QSA_SELECT_STREAM_SLOTS
-#define QSA_SELECT_STREAM_SLOTS kStreamUnroll
-#endif
-constexpr int tile_slots(bool streamed) { return streamed ? QSA_SELECT_STREAM_SLOTS : kStreamUnroll; }
+constexpr int kTile = 16384;                   // blocks of a resident tile (the 512-thread CTA's)
+constexpr int kPairsSlots = 2;                 // tile slots of keys per thread (pairs select)
+
+// The CTA's shape (v49): 512 threads, one CTA per SM, or 256, two per SM (the same 16 warps).
+template <int kThreads_>
+struct Shape {
+  static constexpr int kThreads = kThreads_;
+  static_assert(kThreads == 512 || kThreads == 256, "512 or 256 threads per CTA");
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr int kCtasPerSm = kMaxWarps / kWarps;
+  static constexpr int kGroups = kThreads / kGroupThreads;
+  // A thread's histogram bins: whole 16-byte words of shared memory.
+  static constexpr int kBinsPerThread = kDigitBins / kThreads;
+  static constexpr int kBinWords = kBinsPerThread / 4;
+  static_assert(kBinsPerThread % 4 == 0, "a thread's bins are whole 16-byte words");
+  static_assert(uint64_t(kWarps) * 32 * (kRankWorkCap + 1) < (uint64_t(1) << 32),
+                "the saturated rank work of the CTA fits 32 bits");
+  static_assert(uint64_t(kBinsPerThread) * (kBufCap + 1) * (kBufCap + 1) < (uint64_t(1) << 32),
+                "a thread's clamped rank work fits 32 bits");
+  // 16-byte key loads per thread of a resident tile (kTile blocks); a launch with streamed rows
+  // keeps 8 (16 spill at 256 threads): its rows of at most 8 slots' blocks stay resident.
+  static constexpr int kSlots = kTile / (4 * kThreads);
+  static constexpr int kStreamSlots = 8;
+  static constexpr int kPairsMaxBlocks = kPairsSlots * kThreads * 4;  // 4096 at 512 threads
+};
 constexpr int kWideCtas = 4;                   // CTAs per row when rows outnumber the SMs
 #ifndef QSA_SELECT_WIDE_FP8
 #define QSA_SELECT_WIDE_FP8 2
@@ -181,8 +183,6 @@ constexpr int64_t kMaxKeySlot = kCounterSlots;
 // their own after the largest keys'. P8192 at R = 1 (2,303 blocks, 132 CTAs): 5.92-6.04 us
 // against the last-CTA select's 6.27-6.37 in the same runs (NOTES v27).
 constexpr int kPairsMaxRows = 4;
-constexpr int kPairsSlots = 2;                          // tile slots of keys per thread
-constexpr int kPairsMaxBlocks = kPairsSlots * kThreads * 4;  // 4096
 constexpr int64_t kPairsWork = int64_t(1) << 16;        // compares per CTA at most
 constexpr uint32_t kPairsEpoch = 1u << 16;              // added to a row counter per call
 constexpr int kPairsSpread = 32;                        // row counters 128 bytes apart
@@ -222,10 +222,10 @@ struct SelectShared {
     FastShared f;
     GenericShared g;
   } u;
-  int warp_gt[kWarps];
-  int warp_eq[kWarps];
-  int warp_eq_base[kWarps];
-  int warp_out_base[kWarps];
+  int warp_gt[kMaxWarps];
+  int warp_eq[kMaxWarps];
+  int warp_eq_base[kMaxWarps];
+  int warp_out_base[kMaxWarps];
   int scan[32];
   uint32_t digit;
   uint32_t maxkey;
@@ -327,8 +327,6 @@ __device__ __forceinline__ int block_inclusive_scan(int x, int* warp_sums) {
 
 // A tile of a row's keys: thread t holds blocks base + (u * kThreads + t) * 4 + (0..3), u < 8
 // (keys written by other CTAs of this launch: read through L2). Missing blocks read as 0.
-constexpr int kTile = kThreads * 4 * kStreamUnroll;  // 16384 blocks
-static_assert(kTile == 16384, "the resident tile holds 16384 blocks");
 
 // A launch whose table can hold more than kTile blocks: its rows may be streamed.
 __host__ __device__ constexpr bool streamed_launch(int64_t ncap) { return ncap > kTile; }
@@ -345,7 +343,7 @@ __host__ __device__ constexpr int64_t key_stride(int64_t ncap) {
 // them once, so the time of a short row went to instruction fetch (ncu: `no_inst` stalls at
 // the visits' lines): stopping at the row's end took P8192 from 9.3 to 8.4 us. On streamed
 // tiles the same branches cost 1 us at 128K (32K blocks), so they are not taken there.
-template <bool kBounded, int kN>
+template <int kThreads, bool kBounded, int kN>
 __device__ __forceinline__ void load_tile(const uint32_t* keys, int nbv, int base,
                                           uint4 (&v)[kN]) {
   const uint4* k4 = reinterpret_cast<const uint4*>(keys);  // rows start 16-byte aligned
@@ -370,7 +368,7 @@ __device__ __forceinline__ void load_tile(const uint32_t* keys, int nbv, int bas
 }
 
 // f(j, key) for the tile's usable blocks (key != 0).
-template <bool kBounded, int kN, typename F>
+template <int kThreads, bool kBounded, int kN, typename F>
 __device__ __forceinline__ void visit_tile(const uint4 (&v)[kN], int base, int nbv, F&& f) {
 #pragma unroll
   for (int u = 0; u < kN; ++u) {
@@ -389,17 +387,17 @@ __device__ __forceinline__ void visit_tile(const uint4 (&v)[kN], int base, int n
 // f(j, key) for every usable block of a row: from the registers of a resident tile (rows of
 // at most kTile blocks, loaded once with load_tile<true>), else streamed through L2 tile by
 // tile.
-template <int kN, typename F>
+template <int kThreads, int kN, typename F>
 __device__ __forceinline__ void for_each_key(const uint32_t* keys, int nbv, bool resident,
                                              const uint4 (&tile)[kN], F&& f) {
   if (resident) {
-    visit_tile<true>(tile, 0, nbv, f);
+    visit_tile<kThreads, true>(tile, 0, nbv, f);
     return;
   }
   for (int base = 0; base < nbv; base += kThreads * 4 * kN) {
     uint4 v[kN];
-    load_tile<false>(keys, nbv, base, v);
-    visit_tile<false>(v, base, nbv, f);
+    load_tile<kThreads, false>(keys, nbv, base, v);
+    visit_tile<kThreads, false>(v, base, nbv, f);
   }
 }
 
@@ -407,7 +405,9 @@ __device__ __forceinline__ void for_each_key(const uint32_t* keys, int nbv, bool
 // order, bitonic sort (score desc, block asc). Returns kb; sh.u.g.winners[0, kb) sorted.
 // NOTES: out of line: its code is not between the fast path's pieces, which a short row's last
 // CTA fetches cold (paired with another kernel: P8192 -0.2 us).
+template <int kThreads>
 __device__ __noinline__ int select_generic(const uint32_t* K, int nbv, SelectShared& sh) {
+  constexpr int kWarps = Shape<kThreads>::kWarps;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   uint32_t* hist = sh.u.g.hist;
   unsigned long long* winners = sh.u.g.winners;
@@ -593,6 +593,7 @@ __device__ __forceinline__ void write_block(int32_t* out, int place, int64_t j) 
 }
 
 // The columns after kb chosen blocks: the tail tokens 4 nb .. n - 1, then -1 (by the CTA).
+template <int kThreads>
 __device__ __forceinline__ void write_tail(int32_t* out, int kb, int64_t n, int64_t nb) {
   const int expanded = kb * kRatio;
   const int tail = static_cast<int>(n - nb * kRatio);
@@ -603,9 +604,11 @@ __device__ __forceinline__ void write_tail(int32_t* out, int kb, int64_t n, int6
 }
 
 // Whether a row takes the pairs select (v27): uniform over the row's CTAs.
+template <int kThreads>
 __device__ __forceinline__ bool pairs_row(bool pairs, bool b_ok, int64_t nbv) {
   const int64_t kc = (nbv + gridDim.x - 1) / gridDim.x;
-  return pairs && b_ok && nbv > 0 && nbv <= kPairsMaxBlocks && kc * nbv <= kPairsWork;
+  return pairs && b_ok && nbv > 0 && nbv <= Shape<kThreads>::kPairsMaxBlocks &&
+         kc * nbv <= kPairsWork;
 }
 
 // 1 if block j (key kj) comes before block i (key ki) in the row: key desc, block asc.
@@ -620,8 +623,10 @@ __device__ __forceinline__ int comes_before(uint32_t kj, int j, uint32_t ki, int
 // comes before i when kj > ki, or kj == ki and j < i: for j below the share that is
 // kj >= ki, for j above it kj - 1 >= ki, so each compare is one subtraction's sign
 // (keys <= +inf's key + 1 < 2^31); the share's own blocks are ranked among themselves apart.
+template <int kThreads>
 __device__ __forceinline__ void select_pairs(const uint32_t* K, int nv, int64_t n, int64_t nb,
                                              int32_t* out, int32_t* ctr, SelectShared& sh) {
+  constexpr int kWarps = Shape<kThreads>::kWarps;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int ctas = static_cast<int>(gridDim.x);
   const int kc = (nv + ctas - 1) / ctas;  // <= 256: kc * nv <= kPairsWork, kc <= nv
@@ -636,7 +641,7 @@ __device__ __forceinline__ void select_pairs(const uint32_t* K, int nv, int64_t 
   __syncthreads();
   detail::allow_dependents();  // the row's keys are stored: the next kernel may take the SMs left
   uint4 v[kPairsSlots];
-  load_tile<true>(K, nv, 0, v);
+  load_tile<kThreads, true>(K, nv, 0, v);
   const uint32_t own = tid < i1 - i0 ? __ldcg(K + i0 + tid) : 0u;
   if (tid < kc + 1) share[tid] = static_cast<int>(own) - 1;  // padded: kc may be odd
   if (tid < (kc + 1) / 2) counts[tid] = 0u;
@@ -659,7 +664,7 @@ __device__ __forceinline__ void select_pairs(const uint32_t* K, int nv, int64_t 
     int u = 0;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) u += sh.warp_gt[w];
-    write_tail(out, min(kBlockTopk, u), n, nb);
+    write_tail<kThreads>(out, min(kBlockTopk, u), n, nb);
   }
   // The share's own blocks among themselves (thread m: block i0 + m).
   int rank = 0;
@@ -703,12 +708,15 @@ __device__ __forceinline__ void select_pairs(const uint32_t* K, int nv, int64_t 
 // T: the element type of q and the keys (__half, __nv_bfloat16, __nv_fp8_e4m3).
 // kPageChunks: page_chunks(C): the loop's chunks are 16 slots of one padded page (cdiv: the
 // padded page's Cp slots; v38), else of the row's blocks (cdiv: C).
-template <typename T, bool kStreamed, bool kPageChunks>
+template <typename T, bool kStreamed, bool kPageChunks, int kThreads>
 __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& cdiv,
                                            int64_t row0, int64_t ncap,
                                            uint32_t* __restrict__ keys,
                                            int32_t* __restrict__ counters,
                                            uint32_t* __restrict__ dist, bool pairs) {
+  using S = Shape<kThreads>;
+  constexpr int kWarps = S::kWarps, kGroups = S::kGroups;
+  constexpr int kBinsPerThread = S::kBinsPerThread, kBinWords = S::kBinWords;
   constexpr int kLoads = key_loads<T>();
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   __shared__ SelectShared sh;
@@ -1135,8 +1143,8 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   }  // the per-lane pages' loop
 
   if constexpr (!kStreamed) {
-    if (pairs_row(pairs, b_ok, nbv)) {
-      select_pairs(row_keys, static_cast<int>(nbv), n, nb, p.out + r * p.out_stride,
+    if (pairs_row<kThreads>(pairs, b_ok, nbv)) {
+      select_pairs<kThreads>(row_keys, static_cast<int>(nbv), n, nb, p.out + r * p.out_stride,
                    counters + kPairsSlot + rl * kPairsSpread, sh);
       return;
     }
@@ -1202,10 +1210,10 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   uint32_t* cursor = sh.u.f.cursor;
   // Histogram of the first digit over usable keys (start[] zeroed before the arrival). The
   // keys of rows of at most kTile blocks stay in registers for the second pass.
-  constexpr int kSlots = tile_slots(kStreamed);
+  constexpr int kSlots = kStreamed ? S::kStreamSlots : S::kSlots;
   const bool resident = !streamed || (!dist_row && nv <= kThreads * 4 * kSlots);
   uint4 tile[kSlots];
-  if (resident) load_tile<true>(K, nv, 0, tile);
+  if (resident) load_tile<kThreads, true>(K, nv, 0, tile);
   if (!streamed) {
     uint32_t m = 0;
 #pragma unroll
@@ -1250,7 +1258,7 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   } else {
     // NOTES: plain shared atomics (fire and forget): a warp vote per key to aggregate mass
     // ties cost ~40 cycles of dependent latency per key on the row's critical path.
-    for_each_key(K, nv, resident, tile, [&](int, uint32_t key) {
+    for_each_key<kThreads>(K, nv, resident, tile, [&](int, uint32_t key) {
       atomicAdd(&start[first_digit(key, top)], 1u);
     });
   }
@@ -1350,7 +1358,7 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
     // Fast path: every key at or above the threshold bin, grouped by bin.
     unsigned long long* buf = sh.u.f.buf;
     if (!dist_row) {
-      for_each_key(K, nv, resident, tile, [&](int j, uint32_t key) {
+      for_each_key<kThreads>(K, nv, resident, tile, [&](int j, uint32_t key) {
         const uint32_t d = first_digit(key, top);
         if (d >= d1) buf[atomicAdd(&cursor[d], 1u)] = entry(j, key);
       });
@@ -1369,7 +1377,7 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
     }
   } else {
     // Generic path (more than kBufCap keys in or above the threshold bin: mass ties).
-    const int kbg = select_generic(K, nv, sh);  // == kb
+    const int kbg = select_generic<kThreads>(K, nv, sh);  // == kb
     const unsigned long long* winners = sh.u.g.winners;
     for (int c = tid; c < kbg * kRatio; c += kThreads) {
       const uint32_t j = 0xffffffffu - static_cast<uint32_t>(winners[c / kRatio]);
@@ -1377,7 +1385,7 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
     }
   }
 
-  write_tail(out, kb, n, nb);
+  write_tail<kThreads>(out, kb, n, nb);
   if (tid == 0) {  // ready for the next call (and graph replay)
     counters[rl] = 0;
     if (dist_row) *maxkey = 0u;  // every CTA of the row read it before its second arrival
@@ -1388,12 +1396,13 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
 using KernelFn = void (*)(SelectParams, KeyDiv, int64_t, int64_t, uint32_t*, int32_t*,
                           uint32_t*, bool);
 
-template <typename T, bool kStreamed, bool kPageChunks>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm)
+template <typename T, bool kStreamed, bool kPageChunks, int kThreads>
+__global__ void __launch_bounds__(kThreads, Shape<kThreads>::kCtasPerSm)
     select_kernel(SelectParams p, KeyDiv cdiv, int64_t row0, int64_t ncap,
                   uint32_t* __restrict__ keys, int32_t* __restrict__ counters,
                   uint32_t* __restrict__ dist, bool pairs) {
-  select_row<T, kStreamed, kPageChunks>(p, cdiv, row0, ncap, keys, counters, dist, pairs);
+  select_row<T, kStreamed, kPageChunks, kThreads>(p, cdiv, row0, ncap, keys, counters, dist,
+                                                  pairs);
 }
 
 int64_t candidate_blocks(int64_t table_width, int64_t c) { return table_width * c; }
@@ -1407,15 +1416,37 @@ int64_t group_rows(int64_t rows, int64_t table_width, int64_t c) {
 }
 
 
+template <typename T, int kThreads>
+KernelFn typed_kernel(bool streamed, bool chunks) {
+  return streamed ? (chunks ? select_kernel<T, true, true, kThreads>
+                            : select_kernel<T, true, false, kThreads>)
+                  : (chunks ? select_kernel<T, false, true, kThreads>
+                            : select_kernel<T, false, false, kThreads>);
+}
+
+// QSA_SELECT_T256 (v49, development): which launches take two 256-thread CTAs per SM:
+// 0 none, 1 those whose rows outnumber the SMs, 2 those without streamed rows, 3 every one.
+#ifndef QSA_SELECT_T256
+#define QSA_SELECT_T256 0
+#endif
+int select_threads(int64_t rows, int64_t sms, bool streamed) {
+  switch (QSA_SELECT_T256) {
+    case 1: return rows > sms ? 256 : 512;
+    case 2: return streamed ? 512 : 256;
+    case 3: return 256;
+    default: return 512;
+  }
+}
+
 template <typename T>
 cudaError_t launch_typed(const cudaLaunchConfig_t& cfg, const SelectParams& p,
                          const KeyDiv& cdiv, int64_t row0, int64_t ncap, uint32_t* keys,
                          uint32_t* dist, bool pairs) {
   const bool chunks = page_chunks(p.keys_per_page), streamed = streamed_launch(ncap);
-  const KernelFn kernel = streamed ? (chunks ? select_kernel<T, true, true>
-                                             : select_kernel<T, true, false>)
-                                   : (chunks ? select_kernel<T, false, true>
-                                             : select_kernel<T, false, false>);
+  KernelFn kernel = typed_kernel<T, 512>(streamed, chunks);
+  if constexpr (QSA_SELECT_T256 != 0) {
+    if (cfg.blockDim.x == 256) kernel = typed_kernel<T, 256>(streamed, chunks);
+  }
   return cudaLaunchKernelEx(&cfg, kernel, p, cdiv, row0, ncap, keys, p.counters, dist, pairs);
 }
 
@@ -1479,8 +1510,7 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
   const int64_t g = group_rows(p.rows, p.table_width, c);
   const int64_t chunks = std::max<int64_t>(1, (ncap + kScoreChunk - 1) / kScoreChunk);
   // The SMs of the stream's partition (the device's, where it is not partitioned).
-  // v49: with two CTAs per SM each SM counts as two slots for the CTAs per row below.
-  const int64_t sms = detail::stream_sm_count(stream, detail::sm_count()) * kCtasPerSm;
+  const int64_t sm_count = detail::stream_sm_count(stream, detail::sm_count());
   for (int64_t row0 = 0; row0 < p.rows; row0 += g) {
     const int64_t n = std::min<int64_t>(g, p.rows - row0);
     // NOTES: up to one row per SM, one wave: the grid is at most one CTA per SM (short
@@ -1493,8 +1523,12 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     // end of a wave).
     // v32: float8 keys are half the bytes per CTA, so two CTAs per row instead of four (ncu,
     // H100, R = 256 at 32K: 2 CTAs 0.91x the time of 4, 8 CTAs 1.22x; bfloat16: 2 CTAs 0.99x).
-    const int64_t wide = (p.dtype == DType::kFloat8E4M3 ? kWideCtasFp8 : kWideCtas) * kCtasPerSm;
-    const int64_t per_row = n * kCtasPerSm > sms ? wide : std::max<int64_t>(1, sms / n);
+    // v49: a launch of 256-thread CTAs has two per SM: each SM counts as two CTA slots, and
+    // twice the CTAs per row hold the same warps.
+    const int threads = select_threads(n, sm_count, streamed_launch(ncap));
+    const int64_t per_sm = 512 / threads, sms = sm_count * per_sm;
+    const int64_t wide = (p.dtype == DType::kFloat8E4M3 ? kWideCtasFp8 : kWideCtas) * per_sm;
+    const int64_t per_row = n > sm_count ? wide : std::max<int64_t>(1, sms / n);
     // v7w: a launch without streamed rows spreads a short row over up to one CTA per warp
     // chunk (16 blocks) instead of one per page.
     const int64_t ctas = std::min(
@@ -1502,7 +1536,7 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(n));
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
-    cfg.blockDim = dim3(kThreads);
+    cfg.blockDim = dim3(static_cast<unsigned>(threads));
     cfg.stream = stream;
     cudaLaunchAttribute attr[2];
     cfg.attrs = attr;
@@ -1514,7 +1548,7 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     uint32_t* dist = nullptr;
     bool pairs = false;
     if (n <= sms && n <= dist_rows(p.rows, p.table_width, c) &&
-        chunks <= kDistPages * kGroups * ctas) {
+        chunks <= kDistPages * (threads / kGroupThreads) * ctas) {
       dist = keys + key_words(p.rows, p.table_width, c);
     } else if (!streamed_launch(ncap) && !p.generic_path && n <= kPairsMaxRows &&
                n * ctas <= sms && ctas < int64_t(kPairsEpoch)) {
