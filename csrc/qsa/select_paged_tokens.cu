@@ -801,8 +801,11 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   // bytes of a 2-byte chunk's; four chunks (v31) were 3-5 % slower than three (v32: ncu, H100,
   // R = 8 / 64 / 256); one less where each lane looks up its own pages (!kPageChunks), whose
   // four-chunk build spilled 8-16 bytes (the GPU suite's spill check, H200 run of v31).
-  constexpr int kDepth =
-      Elem<T>::kBytes == 1 ? (kPageChunks ? QSA_SELECT_FP8_DEPTH : QSA_SELECT_FP8_DEPTH - 1) : 2;
+  // v49: one less in a 256-thread CTA (<= 128 registers; four spilled 28 bytes).
+  constexpr int kDepth = Elem<T>::kBytes == 1
+                             ? (kPageChunks && kThreads == 512 ? QSA_SELECT_FP8_DEPTH
+                                                               : QSA_SELECT_FP8_DEPTH - 1)
+                             : 2;
   int2 ph[2 * kDepth];
 #pragma unroll
   for (int k = 0; k < 2 * kDepth; ++k) {
@@ -1424,29 +1427,18 @@ KernelFn typed_kernel(bool streamed, bool chunks) {
                             : select_kernel<T, false, false, kThreads>);
 }
 
-// QSA_SELECT_T256 (v49, development): which launches take two 256-thread CTAs per SM:
-// 0 none, 1 those whose rows outnumber the SMs, 2 those without streamed rows, 3 every one.
-#ifndef QSA_SELECT_T256
-#define QSA_SELECT_T256 0
-#endif
-int select_threads(int64_t rows, int64_t sms, bool streamed) {
-  switch (QSA_SELECT_T256) {
-    case 1: return rows > sms ? 256 : 512;
-    case 2: return streamed ? 512 : 256;
-    case 3: return 256;
-    default: return 512;
-  }
-}
+// NOTES (v49): a launch whose rows outnumber the SMs runs CTAs of 256 threads, two per SM, so
+// that a row's select on one CTA overlaps the scoring of the other (one 512-thread CTA per SM
+// loads no keys while it selects); smaller launches keep 512 (NOTES-kernels.md, v49).
+int select_threads(int64_t rows, int64_t sms, bool /*streamed*/) { return rows > sms ? 256 : 512; }
 
 template <typename T>
 cudaError_t launch_typed(const cudaLaunchConfig_t& cfg, const SelectParams& p,
                          const KeyDiv& cdiv, int64_t row0, int64_t ncap, uint32_t* keys,
                          uint32_t* dist, bool pairs) {
   const bool chunks = page_chunks(p.keys_per_page), streamed = streamed_launch(ncap);
-  KernelFn kernel = typed_kernel<T, 512>(streamed, chunks);
-  if constexpr (QSA_SELECT_T256 != 0) {
-    if (cfg.blockDim.x == 256) kernel = typed_kernel<T, 256>(streamed, chunks);
-  }
+  const KernelFn kernel = cfg.blockDim.x == 256 ? typed_kernel<T, 256>(streamed, chunks)
+                                                : typed_kernel<T, 512>(streamed, chunks);
   return cudaLaunchKernelEx(&cfg, kernel, p, cdiv, row0, ncap, keys, p.counters, dist, pairs);
 }
 
