@@ -1,6 +1,7 @@
 // Fused paged token selection (contract section 1): block scores, exact top-512, expansion.
 //
-// One launch per group of rows, grid (CTAs per row, rows), 512 threads, one CTA per SM:
+// One launch per group of rows, grid (CTAs per row, rows), 512 threads, one CTA per SM (rows
+// outnumbering the SMs: 256 threads, two CTAs per SM, v49):
 //   * every CTA scores blocks of its row, 16 per warp at a time (tensor-core mma: 16 keys x 4
 //     heads per warp and m16n8k16 step, float32 accumulation): a page per group of 8 warps,
 //     or, for a short row spread over more CTAs than it has pages, 16-block chunks dealt to
@@ -138,7 +139,8 @@ struct Shape {
   static constexpr int kStreamSlots = 8;
   static constexpr int kPairsMaxBlocks = kPairsSlots * kThreads * 4;  // 4096 at 512 threads
 };
-constexpr int kWideCtas = 4;                   // CTAs per row when rows outnumber the SMs
+constexpr int kWideCtas = 4;                   // CTAs per row when rows outnumber the SMs (512
+                                               // threads; twice as many of 256, v49)
 #ifndef QSA_SELECT_WIDE_FP8
 #define QSA_SELECT_WIDE_FP8 2
 #endif
