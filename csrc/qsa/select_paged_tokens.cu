@@ -1,7 +1,7 @@
 // Fused paged token selection (contract section 1): block scores, exact top-512, expansion.
 //
-// One launch per group of rows, grid (CTAs per row, rows), 512 threads, one CTA per SM (rows
-// outnumbering the SMs: 256 threads, two CTAs per SM, v49):
+// One launch per group of rows, grid (CTAs per row, rows), 512 threads, one CTA per SM (float8
+// keys, rows outnumbering the SMs: 256 threads, two CTAs per SM, v49):
 //   * every CTA scores blocks of its row, 16 per warp at a time (tensor-core mma: 16 keys x 4
 //     heads per warp and m16n8k16 step, float32 accumulation): a page per group of 8 warps,
 //     or, for a short row spread over more CTAs than it has pages, 16-block chunks dealt to
@@ -1429,18 +1429,24 @@ KernelFn typed_kernel(bool streamed, bool chunks) {
                             : select_kernel<T, false, false, kThreads>);
 }
 
-// NOTES (v49): a launch whose rows outnumber the SMs runs CTAs of 256 threads, two per SM, so
-// that a row's select on one CTA overlaps the scoring of the other (one 512-thread CTA per SM
-// loads no keys while it selects); smaller launches keep 512 (NOTES-kernels.md, v49).
-int select_threads(int64_t rows, int64_t sms, bool /*streamed*/) { return rows > sms ? 256 : 512; }
+// NOTES (v49): a launch of float8 keys whose rows outnumber the SMs runs CTAs of 256 threads,
+// two per SM, so that a row's select on one CTA overlaps the scoring of the other (one
+// 512-thread CTA per SM loads no keys while it selects): ncu, H100, R = 256 / 160 0.970x /
+// 0.966x. 2-byte keys keep 512 threads everywhere (bfloat16 R = 256 1.002x, float16 0.989x),
+// as do smaller launches (NOTES-kernels.md, v49).
+int select_threads(int64_t rows, int64_t sms, DType dtype) {
+  return rows > sms && dtype == DType::kFloat8E4M3 ? 256 : 512;
+}
 
 template <typename T>
 cudaError_t launch_typed(const cudaLaunchConfig_t& cfg, const SelectParams& p,
                          const KeyDiv& cdiv, int64_t row0, int64_t ncap, uint32_t* keys,
                          uint32_t* dist, bool pairs) {
   const bool chunks = page_chunks(p.keys_per_page), streamed = streamed_launch(ncap);
-  const KernelFn kernel = cfg.blockDim.x == 256 ? typed_kernel<T, 256>(streamed, chunks)
-                                                : typed_kernel<T, 512>(streamed, chunks);
+  KernelFn kernel = typed_kernel<T, 512>(streamed, chunks);
+  if constexpr (sizeof(T) == 1) {  // float8 keys only (select_threads)
+    if (cfg.blockDim.x == 256) kernel = typed_kernel<T, 256>(streamed, chunks);
+  }
   return cudaLaunchKernelEx(&cfg, kernel, p, cdiv, row0, ncap, keys, p.counters, dist, pairs);
 }
 
@@ -1519,7 +1525,7 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     // H100, R = 256 at 32K: 2 CTAs 0.91x the time of 4, 8 CTAs 1.22x; bfloat16: 2 CTAs 0.99x).
     // v49: a launch of 256-thread CTAs has two per SM: each SM counts as two CTA slots, and
     // twice the CTAs per row hold the same warps.
-    const int threads = select_threads(n, sm_count, streamed_launch(ncap));
+    const int threads = select_threads(n, sm_count, p.dtype);
     const int64_t per_sm = 512 / threads, sms = sm_count * per_sm;
     const int64_t wide = (p.dtype == DType::kFloat8E4M3 ? kWideCtasFp8 : kWideCtas) * per_sm;
     const int64_t per_row = n > sm_count ? wide : std::max<int64_t>(1, sms / n);
