@@ -141,6 +141,15 @@ struct Shape {
 };
 constexpr int kWideCtas = 4;                   // CTAs per row when rows outnumber the SMs (512
                                                // threads; twice as many of 256, v49)
+// QSA_SELECT_SOLO (v57): a row of one CTA selects without the arrival's atomic.
+#ifndef QSA_SELECT_SOLO
+#define QSA_SELECT_SOLO 1
+#endif
+// QSA_SELECT_ONE_WAVE (v57): rows that fit the launch's CTA slots once (256-thread float8
+// CTAs, two per SM) take one CTA each, every row resident at once; 0: the wide count.
+#ifndef QSA_SELECT_ONE_WAVE
+#define QSA_SELECT_ONE_WAVE 1
+#endif
 #ifndef QSA_SELECT_WIDE_FP8
 #define QSA_SELECT_WIDE_FP8 2
 #endif
@@ -1188,7 +1197,10 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
         0xffffffffu, lane < kWarps ? static_cast<uint32_t>(sh.scan[lane]) : 0u);
     if (tid == 0) {
       if (m && streamed) atomicMax(maxkey, m);  // ordered before the arrival's release
-      const int before = atomic_add_acq_rel_gpu(counters + rl, 1);
+      // NOTES (v57): a row of one CTA (no streamed rows) selects without an arrival: the
+      // keys it reads back are its own, stored before the barrier above.
+      const bool solo = QSA_SELECT_SOLO && !streamed && ctas == 1;
+      const int before = solo ? 0 : atomic_add_acq_rel_gpu(counters + rl, 1);
       if (dist_row) {
         while (detail::ld_acquire_gpu(counters + rl) < ctas) {
         }
@@ -1528,7 +1540,9 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     const int threads = select_threads(n, sm_count, p.dtype);
     const int64_t per_sm = 512 / threads, sms = sm_count * per_sm;
     const int64_t wide = (p.dtype == DType::kFloat8E4M3 ? kWideCtasFp8 : kWideCtas) * per_sm;
-    const int64_t per_row = n > sm_count ? wide : std::max<int64_t>(1, sms / n);
+    // v57 (QSA_SELECT_ONE_WAVE): up to one row per CTA slot, one wave of one CTA per row.
+    const int64_t spread_rows = QSA_SELECT_ONE_WAVE ? sms : sm_count;
+    const int64_t per_row = n > spread_rows ? wide : std::max<int64_t>(1, sms / n);
     // v7w: a launch without streamed rows spreads a short row over up to one CTA per warp
     // chunk (16 blocks) instead of one per page.
     const int64_t ctas = std::min(
