@@ -1,6 +1,7 @@
 // Fused paged token selection (contract section 1): block scores, exact top-512, expansion.
 //
-// One launch per group of rows, grid (CTAs per row, rows), 512 threads, one CTA per SM:
+// One launch per group of rows, grid (CTAs per row, rows), 512 threads, one CTA per SM (float8
+// keys, rows outnumbering the SMs: 256 threads, two CTAs per SM, v49):
 //   * every CTA scores blocks of its row, 16 per warp at a time (tensor-core mma: 16 keys x 4
 //     heads per warp and m16n8k16 step, float32 accumulation): a page per group of 8 warps,
 //     or, for a short row spread over more CTAs than it has pages, 16-block chunks dealt to
@@ -77,10 +78,8 @@ static_assert(kWidth == kBlockTopk * kRatio + QSA_TAIL, "row width");
 // that equal scores are equal bit for bit with the reference.
 constexpr float kScoreScale = static_cast<float>(0.088388347648318440550105545263);
 
-constexpr int kThreads = 512;                  // 16 warps
-constexpr int kWarps = kThreads / 32;
+constexpr int kMaxWarps = 16;                  // 16 warps per SM: one CTA of 512 or two of 256
 constexpr int kGroupThreads = 256;             // a page group: 8 warps x 16 blocks = one page
-constexpr int kGroups = kThreads / kGroupThreads;
 constexpr int kWarpChunk = 16;                 // blocks a warp scores at a time (mma rows)
 constexpr int kScoreChunk = kWarpChunk * (kGroupThreads / 32);  // blocks per group iteration
 // NOTES (contract v2): a page holds C keys (any C >= 1). A group iteration scores kScoreChunk
@@ -111,18 +110,46 @@ __host__ __device__ constexpr int64_t padded_page(int64_t c) {
 // walks a key's whole bin.
 constexpr int kDigitShift = 15;
 constexpr int kDigitBins = 4096;
-constexpr int kBinsPerThread = kDigitBins / kThreads;
-static_assert(kBinsPerThread == 8, "a thread's bins are two 16-byte words of shared memory");
 constexpr int kBufCap = 1024;                  // keys at or above the threshold bin (fast path)
 constexpr int kRankWorkCap = 1 << 18;          // sum over those bins of count^2 (fast path)
-static_assert(uint64_t(kWarps) * 32 * (kRankWorkCap + 1) < (uint64_t(1) << 32),
-              "the saturated rank work of the CTA fits 32 bits");
-static_assert(uint64_t(kBinsPerThread) * (kBufCap + 1) * (kBufCap + 1) < (uint64_t(1) << 32),
-              "a thread's clamped rank work fits 32 bits");
 constexpr int kRadixBins = 2048;               // generic path: 11-bit digits (11, 11, 10)
 constexpr int kRadixUnroll = 4;
-constexpr int kStreamUnroll = 8;               // 16-byte key loads in flight per thread
-constexpr int kWideCtas = 4;                   // CTAs per row when rows outnumber the SMs
+constexpr int kTile = 16384;                   // blocks of a resident tile (the 512-thread CTA's)
+constexpr int kPairsSlots = 2;                 // tile slots of keys per thread (pairs select)
+
+// The CTA's shape (v49): 512 threads, one CTA per SM, or 256, two per SM (the same 16 warps).
+template <int kThreads_>
+struct Shape {
+  static constexpr int kThreads = kThreads_;
+  static_assert(kThreads == 512 || kThreads == 256, "512 or 256 threads per CTA");
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr int kCtasPerSm = kMaxWarps / kWarps;
+  static constexpr int kGroups = kThreads / kGroupThreads;
+  // A thread's histogram bins: whole 16-byte words of shared memory.
+  static constexpr int kBinsPerThread = kDigitBins / kThreads;
+  static constexpr int kBinWords = kBinsPerThread / 4;
+  static_assert(kBinsPerThread % 4 == 0, "a thread's bins are whole 16-byte words");
+  static_assert(uint64_t(kWarps) * 32 * (kRankWorkCap + 1) < (uint64_t(1) << 32),
+                "the saturated rank work of the CTA fits 32 bits");
+  static_assert(uint64_t(kBinsPerThread) * (kBufCap + 1) * (kBufCap + 1) < (uint64_t(1) << 32),
+                "a thread's clamped rank work fits 32 bits");
+  // 16-byte key loads per thread of a resident tile (kTile blocks); a launch with streamed rows
+  // keeps 8 (16 spill at 256 threads): its rows of at most 8 slots' blocks stay resident.
+  static constexpr int kSlots = kTile / (4 * kThreads);
+  static constexpr int kStreamSlots = 8;
+  static constexpr int kPairsMaxBlocks = kPairsSlots * kThreads * 4;  // 4096 at 512 threads
+};
+constexpr int kWideCtas = 4;                   // CTAs per row when rows outnumber the SMs (512
+                                               // threads; twice as many of 256, v49)
+// QSA_SELECT_SOLO (v57): a row of one CTA selects without the arrival's atomic.
+#ifndef QSA_SELECT_SOLO
+#define QSA_SELECT_SOLO 1
+#endif
+// QSA_SELECT_ONE_WAVE (v57): rows that fit the launch's CTA slots once (256-thread float8
+// CTAs, two per SM) take one CTA each, every row resident at once; 0: the wide count.
+#ifndef QSA_SELECT_ONE_WAVE
+#define QSA_SELECT_ONE_WAVE 1
+#endif
 #ifndef QSA_SELECT_WIDE_FP8
 #define QSA_SELECT_WIDE_FP8 2
 #endif
@@ -167,8 +194,6 @@ constexpr int64_t kMaxKeySlot = kCounterSlots;
 // their own after the largest keys'. P8192 at R = 1 (2,303 blocks, 132 CTAs): 5.92-6.04 us
 // against the last-CTA select's 6.27-6.37 in the same runs (NOTES v27).
 constexpr int kPairsMaxRows = 4;
-constexpr int kPairsSlots = 2;                          // tile slots of keys per thread
-constexpr int kPairsMaxBlocks = kPairsSlots * kThreads * 4;  // 4096
 constexpr int64_t kPairsWork = int64_t(1) << 16;        // compares per CTA at most
 constexpr uint32_t kPairsEpoch = 1u << 16;              // added to a row counter per call
 constexpr int kPairsSpread = 32;                        // row counters 128 bytes apart
@@ -208,10 +233,10 @@ struct SelectShared {
     FastShared f;
     GenericShared g;
   } u;
-  int warp_gt[kWarps];
-  int warp_eq[kWarps];
-  int warp_eq_base[kWarps];
-  int warp_out_base[kWarps];
+  int warp_gt[kMaxWarps];
+  int warp_eq[kMaxWarps];
+  int warp_eq_base[kMaxWarps];
+  int warp_out_base[kMaxWarps];
   int scan[32];
   uint32_t digit;
   uint32_t maxkey;
@@ -313,7 +338,6 @@ __device__ __forceinline__ int block_inclusive_scan(int x, int* warp_sums) {
 
 // A tile of a row's keys: thread t holds blocks base + (u * kThreads + t) * 4 + (0..3), u < 8
 // (keys written by other CTAs of this launch: read through L2). Missing blocks read as 0.
-constexpr int kTile = kThreads * 4 * kStreamUnroll;  // 16384 blocks
 
 // A launch whose table can hold more than kTile blocks: its rows may be streamed.
 __host__ __device__ constexpr bool streamed_launch(int64_t ncap) { return ncap > kTile; }
@@ -330,7 +354,7 @@ __host__ __device__ constexpr int64_t key_stride(int64_t ncap) {
 // them once, so the time of a short row went to instruction fetch (ncu: `no_inst` stalls at
 // the visits' lines): stopping at the row's end took P8192 from 9.3 to 8.4 us. On streamed
 // tiles the same branches cost 1 us at 128K (32K blocks), so they are not taken there.
-template <bool kBounded, int kN>
+template <int kThreads, bool kBounded, int kN>
 __device__ __forceinline__ void load_tile(const uint32_t* keys, int nbv, int base,
                                           uint4 (&v)[kN]) {
   const uint4* k4 = reinterpret_cast<const uint4*>(keys);  // rows start 16-byte aligned
@@ -355,11 +379,10 @@ __device__ __forceinline__ void load_tile(const uint32_t* keys, int nbv, int bas
 }
 
 // f(j, key) for the tile's usable blocks (key != 0).
-template <bool kBounded, typename F>
-__device__ __forceinline__ void visit_tile(const uint4 (&v)[kStreamUnroll], int base, int nbv,
-                                           F&& f) {
+template <int kThreads, bool kBounded, int kN, typename F>
+__device__ __forceinline__ void visit_tile(const uint4 (&v)[kN], int base, int nbv, F&& f) {
 #pragma unroll
-  for (int u = 0; u < kStreamUnroll; ++u) {
+  for (int u = 0; u < kN; ++u) {
     if constexpr (kBounded) {
       if (base + u * kThreads * 4 >= nbv) break;  // uniform over the CTA
     }
@@ -375,17 +398,17 @@ __device__ __forceinline__ void visit_tile(const uint4 (&v)[kStreamUnroll], int 
 // f(j, key) for every usable block of a row: from the registers of a resident tile (rows of
 // at most kTile blocks, loaded once with load_tile<true>), else streamed through L2 tile by
 // tile.
-template <typename F>
+template <int kThreads, int kN, typename F>
 __device__ __forceinline__ void for_each_key(const uint32_t* keys, int nbv, bool resident,
-                                             const uint4 (&tile)[kStreamUnroll], F&& f) {
+                                             const uint4 (&tile)[kN], F&& f) {
   if (resident) {
-    visit_tile<true>(tile, 0, nbv, f);
+    visit_tile<kThreads, true>(tile, 0, nbv, f);
     return;
   }
-  for (int base = 0; base < nbv; base += kTile) {
-    uint4 v[kStreamUnroll];
-    load_tile<false>(keys, nbv, base, v);
-    visit_tile<false>(v, base, nbv, f);
+  for (int base = 0; base < nbv; base += kThreads * 4 * kN) {
+    uint4 v[kN];
+    load_tile<kThreads, false>(keys, nbv, base, v);
+    visit_tile<kThreads, false>(v, base, nbv, f);
   }
 }
 
@@ -393,7 +416,9 @@ __device__ __forceinline__ void for_each_key(const uint32_t* keys, int nbv, bool
 // order, bitonic sort (score desc, block asc). Returns kb; sh.u.g.winners[0, kb) sorted.
 // NOTES: out of line: its code is not between the fast path's pieces, which a short row's last
 // CTA fetches cold (paired with another kernel: P8192 -0.2 us).
+template <int kThreads>
 __device__ __noinline__ int select_generic(const uint32_t* K, int nbv, SelectShared& sh) {
+  constexpr int kWarps = Shape<kThreads>::kWarps;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   uint32_t* hist = sh.u.g.hist;
   unsigned long long* winners = sh.u.g.winners;
@@ -579,6 +604,7 @@ __device__ __forceinline__ void write_block(int32_t* out, int place, int64_t j) 
 }
 
 // The columns after kb chosen blocks: the tail tokens 4 nb .. n - 1, then -1 (by the CTA).
+template <int kThreads>
 __device__ __forceinline__ void write_tail(int32_t* out, int kb, int64_t n, int64_t nb) {
   const int expanded = kb * kRatio;
   const int tail = static_cast<int>(n - nb * kRatio);
@@ -589,9 +615,11 @@ __device__ __forceinline__ void write_tail(int32_t* out, int kb, int64_t n, int6
 }
 
 // Whether a row takes the pairs select (v27): uniform over the row's CTAs.
+template <int kThreads>
 __device__ __forceinline__ bool pairs_row(bool pairs, bool b_ok, int64_t nbv) {
   const int64_t kc = (nbv + gridDim.x - 1) / gridDim.x;
-  return pairs && b_ok && nbv > 0 && nbv <= kPairsMaxBlocks && kc * nbv <= kPairsWork;
+  return pairs && b_ok && nbv > 0 && nbv <= Shape<kThreads>::kPairsMaxBlocks &&
+         kc * nbv <= kPairsWork;
 }
 
 // 1 if block j (key kj) comes before block i (key ki) in the row: key desc, block asc.
@@ -606,8 +634,10 @@ __device__ __forceinline__ int comes_before(uint32_t kj, int j, uint32_t ki, int
 // comes before i when kj > ki, or kj == ki and j < i: for j below the share that is
 // kj >= ki, for j above it kj - 1 >= ki, so each compare is one subtraction's sign
 // (keys <= +inf's key + 1 < 2^31); the share's own blocks are ranked among themselves apart.
+template <int kThreads>
 __device__ __forceinline__ void select_pairs(const uint32_t* K, int nv, int64_t n, int64_t nb,
                                              int32_t* out, int32_t* ctr, SelectShared& sh) {
+  constexpr int kWarps = Shape<kThreads>::kWarps;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int ctas = static_cast<int>(gridDim.x);
   const int kc = (nv + ctas - 1) / ctas;  // <= 256: kc * nv <= kPairsWork, kc <= nv
@@ -622,7 +652,7 @@ __device__ __forceinline__ void select_pairs(const uint32_t* K, int nv, int64_t 
   __syncthreads();
   detail::allow_dependents();  // the row's keys are stored: the next kernel may take the SMs left
   uint4 v[kPairsSlots];
-  load_tile<true>(K, nv, 0, v);
+  load_tile<kThreads, true>(K, nv, 0, v);
   const uint32_t own = tid < i1 - i0 ? __ldcg(K + i0 + tid) : 0u;
   if (tid < kc + 1) share[tid] = static_cast<int>(own) - 1;  // padded: kc may be odd
   if (tid < (kc + 1) / 2) counts[tid] = 0u;
@@ -645,7 +675,7 @@ __device__ __forceinline__ void select_pairs(const uint32_t* K, int nv, int64_t 
     int u = 0;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) u += sh.warp_gt[w];
-    write_tail(out, min(kBlockTopk, u), n, nb);
+    write_tail<kThreads>(out, min(kBlockTopk, u), n, nb);
   }
   // The share's own blocks among themselves (thread m: block i0 + m).
   int rank = 0;
@@ -689,12 +719,15 @@ __device__ __forceinline__ void select_pairs(const uint32_t* K, int nv, int64_t 
 // T: the element type of q and the keys (__half, __nv_bfloat16, __nv_fp8_e4m3).
 // kPageChunks: page_chunks(C): the loop's chunks are 16 slots of one padded page (cdiv: the
 // padded page's Cp slots; v38), else of the row's blocks (cdiv: C).
-template <typename T, bool kStreamed, bool kPageChunks>
+template <typename T, bool kStreamed, bool kPageChunks, int kThreads>
 __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& cdiv,
                                            int64_t row0, int64_t ncap,
                                            uint32_t* __restrict__ keys,
                                            int32_t* __restrict__ counters,
                                            uint32_t* __restrict__ dist, bool pairs) {
+  using S = Shape<kThreads>;
+  constexpr int kWarps = S::kWarps, kGroups = S::kGroups;
+  constexpr int kBinsPerThread = S::kBinsPerThread, kBinWords = S::kBinWords;
   constexpr int kLoads = key_loads<T>();
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   __shared__ SelectShared sh;
@@ -779,8 +812,11 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   // bytes of a 2-byte chunk's; four chunks (v31) were 3-5 % slower than three (v32: ncu, H100,
   // R = 8 / 64 / 256); one less where each lane looks up its own pages (!kPageChunks), whose
   // four-chunk build spilled 8-16 bytes (the GPU suite's spill check, H200 run of v31).
-  constexpr int kDepth =
-      Elem<T>::kBytes == 1 ? (kPageChunks ? QSA_SELECT_FP8_DEPTH : QSA_SELECT_FP8_DEPTH - 1) : 2;
+  // v49: one less in a 256-thread CTA (<= 128 registers; four spilled 28 bytes).
+  constexpr int kDepth = Elem<T>::kBytes == 1
+                             ? (kPageChunks && kThreads == 512 ? QSA_SELECT_FP8_DEPTH
+                                                               : QSA_SELECT_FP8_DEPTH - 1)
+                             : 2;
   int2 ph[2 * kDepth];
 #pragma unroll
   for (int k = 0; k < 2 * kDepth; ++k) {
@@ -1121,8 +1157,8 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   }  // the per-lane pages' loop
 
   if constexpr (!kStreamed) {
-    if (pairs_row(pairs, b_ok, nbv)) {
-      select_pairs(row_keys, static_cast<int>(nbv), n, nb, p.out + r * p.out_stride,
+    if (pairs_row<kThreads>(pairs, b_ok, nbv)) {
+      select_pairs<kThreads>(row_keys, static_cast<int>(nbv), n, nb, p.out + r * p.out_stride,
                    counters + kPairsSlot + rl * kPairsSpread, sh);
       return;
     }
@@ -1161,7 +1197,10 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
         0xffffffffu, lane < kWarps ? static_cast<uint32_t>(sh.scan[lane]) : 0u);
     if (tid == 0) {
       if (m && streamed) atomicMax(maxkey, m);  // ordered before the arrival's release
-      const int before = atomic_add_acq_rel_gpu(counters + rl, 1);
+      // NOTES (v57): a row of one CTA (no streamed rows) selects without an arrival: the
+      // keys it reads back are its own, stored before the barrier above.
+      const bool solo = QSA_SELECT_SOLO && !streamed && ctas == 1;
+      const int before = solo ? 0 : atomic_add_acq_rel_gpu(counters + rl, 1);
       if (dist_row) {
         while (detail::ld_acquire_gpu(counters + rl) < ctas) {
         }
@@ -1188,15 +1227,16 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   uint32_t* cursor = sh.u.f.cursor;
   // Histogram of the first digit over usable keys (start[] zeroed before the arrival). The
   // keys of rows of at most kTile blocks stay in registers for the second pass.
-  const bool resident = !streamed || (!dist_row && nv <= kTile);
-  uint4 tile[kStreamUnroll];
-  if (resident) load_tile<true>(K, nv, 0, tile);
+  constexpr int kSlots = kStreamed ? S::kStreamSlots : S::kSlots;
+  const bool resident = !streamed || (!dist_row && nv <= kThreads * 4 * kSlots);
+  uint4 tile[kSlots];
+  if (resident) load_tile<kThreads, true>(K, nv, 0, tile);
   if (!streamed) {
     uint32_t m = 0;
 #pragma unroll
-    for (int u = 0; u < kStreamUnroll; ++u) m = max(max(tile[u].x, tile[u].y), max(tile[u].z, m));
+    for (int u = 0; u < kSlots; ++u) m = max(max(tile[u].x, tile[u].y), max(tile[u].z, m));
 #pragma unroll
-    for (int u = 0; u < kStreamUnroll; ++u) m = max(tile[u].w, m);
+    for (int u = 0; u < kSlots; ++u) m = max(tile[u].w, m);
     m = __reduce_max_sync(0xffffffffu, m);
     if (lane == 0) sh.scan[tid >> 5] = static_cast<int>(m);  // read before the next scan
   }
@@ -1235,7 +1275,7 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   } else {
     // NOTES: plain shared atomics (fire and forget): a warp vote per key to aggregate mass
     // ties cost ~40 cycles of dependent latency per key on the row's critical path.
-    for_each_key(K, nv, resident, tile, [&](int, uint32_t key) {
+    for_each_key<kThreads>(K, nv, resident, tile, [&](int, uint32_t key) {
       atomicAdd(&start[first_digit(key, top)], 1u);
     });
   }
@@ -1246,14 +1286,11 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
   const int bin0 = kDigitBins - kBinsPerThread * (tid + 1);  // its lowest bin
   int cnt[kBinsPerThread];
   int sum = 0;
-  {
-    const uint4 lo4 = *reinterpret_cast<const uint4*>(start + bin0);
-    const uint4 hi4 = *reinterpret_cast<const uint4*>(start + bin0 + 4);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      cnt[i] = int(word(hi4, 3 - i));  // bin 4095 - 8 tid - i
-      cnt[4 + i] = int(word(lo4, 3 - i));
-    }
+  for (int q = 0; q < kBinWords; ++q) {  // bins bin0 + 4 q + i = 4095 - 8 tid - (7 - 4 q - i)
+    const uint4 w4 = *reinterpret_cast<const uint4*>(start + bin0 + 4 * q);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cnt[kBinsPerThread - 1 - 4 * q - i] = int(word(w4, i));
   }
 #pragma unroll
   for (int i = 0; i < kBinsPerThread; ++i) sum += cnt[i];
@@ -1290,10 +1327,17 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
         run += cnt[i];
       }
       // st[i] is bin 4095 - 8 tid - i = bin0 + 7 - i
-      *reinterpret_cast<uint4*>(start + bin0) = make_uint4(st[7], st[6], st[5], st[4]);
-      *reinterpret_cast<uint4*>(start + bin0 + 4) = make_uint4(st[3], st[2], st[1], st[0]);
-      *reinterpret_cast<uint4*>(cursor + bin0) = make_uint4(cu[7], cu[6], cu[5], cu[4]);
-      *reinterpret_cast<uint4*>(cursor + bin0 + 4) = make_uint4(cu[3], cu[2], cu[1], cu[0]);
+      constexpr int h = kBinsPerThread - 1;
+#pragma unroll
+      for (int q = 0; q < kBinWords; ++q) {
+        *reinterpret_cast<uint4*>(start + bin0 + 4 * q) =
+            make_uint4(st[h - 4 * q], st[h - 4 * q - 1], st[h - 4 * q - 2], st[h - 4 * q - 3]);
+      }
+#pragma unroll
+      for (int q = 0; q < kBinWords; ++q) {
+        *reinterpret_cast<uint4*>(cursor + bin0 + 4 * q) =
+            make_uint4(cu[h - 4 * q], cu[h - 4 * q - 1], cu[h - 4 * q - 2], cu[h - 4 * q - 3]);
+      }
     }
     w = __reduce_add_sync(0xffffffffu, min(w, uint32_t(kRankWorkCap) + 1u));
     if (lane == 0 && w) atomicAdd(&sh.work, w);
@@ -1331,7 +1375,7 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
     // Fast path: every key at or above the threshold bin, grouped by bin.
     unsigned long long* buf = sh.u.f.buf;
     if (!dist_row) {
-      for_each_key(K, nv, resident, tile, [&](int j, uint32_t key) {
+      for_each_key<kThreads>(K, nv, resident, tile, [&](int j, uint32_t key) {
         const uint32_t d = first_digit(key, top);
         if (d >= d1) buf[atomicAdd(&cursor[d], 1u)] = entry(j, key);
       });
@@ -1350,7 +1394,7 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
     }
   } else {
     // Generic path (more than kBufCap keys in or above the threshold bin: mass ties).
-    const int kbg = select_generic(K, nv, sh);  // == kb
+    const int kbg = select_generic<kThreads>(K, nv, sh);  // == kb
     const unsigned long long* winners = sh.u.g.winners;
     for (int c = tid; c < kbg * kRatio; c += kThreads) {
       const uint32_t j = 0xffffffffu - static_cast<uint32_t>(winners[c / kRatio]);
@@ -1358,7 +1402,7 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
     }
   }
 
-  write_tail(out, kb, n, nb);
+  write_tail<kThreads>(out, kb, n, nb);
   if (tid == 0) {  // ready for the next call (and graph replay)
     counters[rl] = 0;
     if (dist_row) *maxkey = 0u;  // every CTA of the row read it before its second arrival
@@ -1369,12 +1413,13 @@ __device__ __forceinline__ void select_row(const SelectParams& p, const KeyDiv& 
 using KernelFn = void (*)(SelectParams, KeyDiv, int64_t, int64_t, uint32_t*, int32_t*,
                           uint32_t*, bool);
 
-template <typename T, bool kStreamed, bool kPageChunks>
-__global__ void __launch_bounds__(kThreads, 1)
+template <typename T, bool kStreamed, bool kPageChunks, int kThreads>
+__global__ void __launch_bounds__(kThreads, Shape<kThreads>::kCtasPerSm)
     select_kernel(SelectParams p, KeyDiv cdiv, int64_t row0, int64_t ncap,
                   uint32_t* __restrict__ keys, int32_t* __restrict__ counters,
                   uint32_t* __restrict__ dist, bool pairs) {
-  select_row<T, kStreamed, kPageChunks>(p, cdiv, row0, ncap, keys, counters, dist, pairs);
+  select_row<T, kStreamed, kPageChunks, kThreads>(p, cdiv, row0, ncap, keys, counters, dist,
+                                                  pairs);
 }
 
 int64_t candidate_blocks(int64_t table_width, int64_t c) { return table_width * c; }
@@ -1388,15 +1433,32 @@ int64_t group_rows(int64_t rows, int64_t table_width, int64_t c) {
 }
 
 
+template <typename T, int kThreads>
+KernelFn typed_kernel(bool streamed, bool chunks) {
+  return streamed ? (chunks ? select_kernel<T, true, true, kThreads>
+                            : select_kernel<T, true, false, kThreads>)
+                  : (chunks ? select_kernel<T, false, true, kThreads>
+                            : select_kernel<T, false, false, kThreads>);
+}
+
+// NOTES (v49): a launch of float8 keys whose rows outnumber the SMs runs CTAs of 256 threads,
+// two per SM, so that a row's select on one CTA overlaps the scoring of the other (one
+// 512-thread CTA per SM loads no keys while it selects): ncu, H100, R = 256 / 160 0.970x /
+// 0.966x. 2-byte keys keep 512 threads everywhere (bfloat16 R = 256 1.002x, float16 0.989x),
+// as do smaller launches (NOTES-kernels.md, v49).
+int select_threads(int64_t rows, int64_t sms, DType dtype) {
+  return rows > sms && dtype == DType::kFloat8E4M3 ? 256 : 512;
+}
+
 template <typename T>
 cudaError_t launch_typed(const cudaLaunchConfig_t& cfg, const SelectParams& p,
                          const KeyDiv& cdiv, int64_t row0, int64_t ncap, uint32_t* keys,
                          uint32_t* dist, bool pairs) {
   const bool chunks = page_chunks(p.keys_per_page), streamed = streamed_launch(ncap);
-  const KernelFn kernel = streamed ? (chunks ? select_kernel<T, true, true>
-                                             : select_kernel<T, true, false>)
-                                   : (chunks ? select_kernel<T, false, true>
-                                             : select_kernel<T, false, false>);
+  KernelFn kernel = typed_kernel<T, 512>(streamed, chunks);
+  if constexpr (sizeof(T) == 1) {  // float8 keys only (select_threads)
+    if (cfg.blockDim.x == 256) kernel = typed_kernel<T, 256>(streamed, chunks);
+  }
   return cudaLaunchKernelEx(&cfg, kernel, p, cdiv, row0, ncap, keys, p.counters, dist, pairs);
 }
 
@@ -1460,7 +1522,7 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
   const int64_t g = group_rows(p.rows, p.table_width, c);
   const int64_t chunks = std::max<int64_t>(1, (ncap + kScoreChunk - 1) / kScoreChunk);
   // The SMs of the stream's partition (the device's, where it is not partitioned).
-  const int64_t sms = detail::stream_sm_count(stream, detail::sm_count());
+  const int64_t sm_count = detail::stream_sm_count(stream, detail::sm_count());
   for (int64_t row0 = 0; row0 < p.rows; row0 += g) {
     const int64_t n = std::min<int64_t>(g, p.rows - row0);
     // NOTES: up to one row per SM, one wave: the grid is at most one CTA per SM (short
@@ -1473,8 +1535,14 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     // end of a wave).
     // v32: float8 keys are half the bytes per CTA, so two CTAs per row instead of four (ncu,
     // H100, R = 256 at 32K: 2 CTAs 0.91x the time of 4, 8 CTAs 1.22x; bfloat16: 2 CTAs 0.99x).
-    const int64_t wide = p.dtype == DType::kFloat8E4M3 ? kWideCtasFp8 : kWideCtas;
-    const int64_t per_row = n > sms ? wide : std::max<int64_t>(1, sms / n);
+    // v49: a launch of 256-thread CTAs has two per SM: each SM counts as two CTA slots, and
+    // twice the CTAs per row hold the same warps.
+    const int threads = select_threads(n, sm_count, p.dtype);
+    const int64_t per_sm = 512 / threads, sms = sm_count * per_sm;
+    const int64_t wide = (p.dtype == DType::kFloat8E4M3 ? kWideCtasFp8 : kWideCtas) * per_sm;
+    // v57 (QSA_SELECT_ONE_WAVE): up to one row per CTA slot, one wave of one CTA per row.
+    const int64_t spread_rows = QSA_SELECT_ONE_WAVE ? sms : sm_count;
+    const int64_t per_row = n > spread_rows ? wide : std::max<int64_t>(1, sms / n);
     // v7w: a launch without streamed rows spreads a short row over up to one CTA per warp
     // chunk (16 blocks) instead of one per page.
     const int64_t ctas = std::min(
@@ -1482,7 +1550,7 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(n));
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
-    cfg.blockDim = dim3(kThreads);
+    cfg.blockDim = dim3(static_cast<unsigned>(threads));
     cfg.stream = stream;
     cudaLaunchAttribute attr[2];
     cfg.attrs = attr;
@@ -1494,7 +1562,7 @@ cudaError_t select_paged_tokens(const SelectParams& p, cudaStream_t stream) {
     uint32_t* dist = nullptr;
     bool pairs = false;
     if (n <= sms && n <= dist_rows(p.rows, p.table_width, c) &&
-        chunks <= kDistPages * kGroups * ctas) {
+        chunks <= kDistPages * (threads / kGroupThreads) * ctas) {
       dist = keys + key_words(p.rows, p.table_width, c);
     } else if (!streamed_launch(ncap) && !p.generic_path && n <= kPairsMaxRows &&
                n * ctas <= sms && ctas < int64_t(kPairsEpoch)) {
