@@ -70,8 +70,7 @@ def launch_us(items, parts, bw, rmax, share=1, pro=1.0, arr=2.0, sel=5.0, cta_sh
         for i in streaming:
             per_sm[i % SMS] = per_sm.get(i % SMS, 0) + 1
         rate = {
-            i: min(rmax / per_sm[i % SMS], cta_share * rmax, bw / len(streaming))
-            for i in streaming
+            i: min(rmax / per_sm[i % SMS], cta_share * rmax, bw / len(streaming)) for i in streaming
         }
         # the next event: a timed phase ends or a stream runs out
         dt = min(s[1] / rate[i] if s[0] == "score" else s[1] for i, s in enumerate(slots) if s)
@@ -142,8 +141,10 @@ def main(argv=None):
                 ref = base.setdefault((gpu, rmax), t)
                 cells.append(f"{t:.1f} ({t / ref:.3f})")
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
-    print("measured: " + ", ".join(
-        f"{g} ours {v[2]:.1f} us (launch {launch})" for g, (v, launch) in cases.items()))
+    print(
+        "measured: "
+        + ", ".join(f"{g} ours {v[2]:.1f} us (launch {launch})" for g, (v, launch) in cases.items())
+    )
     return 0
 
 
