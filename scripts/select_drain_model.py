@@ -28,9 +28,10 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 # row, one per SM (before v57); "v57": one 256-thread CTA per row, two per SM, every row
 # resident at once, no arrival (a row of one CTA), each CTA at most half an SM's streaming
 # rate; its 8-warp select is taken as 7 us (not measured: v51 stamped the 16-warp one, 5 us).
+HALF = {"share": 2, "cta_share": 0.5}  # 256-thread CTAs, two per SM
 LAUNCHES = {
     "main": ({}, {}),
-    "v57": ({"parts": 1}, {"share": 2, "arr": 0.0, "sel": 7.0, "cta_share": 0.5}),
+    "v57": ({"parts": 1}, {**HALF, "arr": 0.0, "sel": 7.0}),
 }
 RECORDS = {  # the dtype records the model is calibrated on, and the launch each one timed
     "H100": (RESULTS / "bench-dtype-nvidia-h100-80gb-hbm3.json", "v57"),
@@ -119,10 +120,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rmax", default="45,60", help="one SM's streaming rates (GB/s), comma list")
     rmaxes = [float(x) for x in ap.parse_args(argv).rmax.split(",")]
-    half = {"share": 2, "cta_share": 0.5}  # 256-thread CTAs, two per SM
     variants = [  # (name, rows_in_parts' changes, launch_us' changes), from main's launch
         ("main (2 CTAs per row, one per SM)", {}, {}),
-        ("v49b: 4 CTAs per row, two per SM", {"parts": 4}, half),
+        ("v49b: 4 CTAs per row, two per SM", {"parts": 4}, HALF),
         ("v52: the last 32 rows in 4 parts", {"tail_rows": 32, "tail_parts": 4}, {}),
         ("the select 2.5 us (not 5)", {}, {"sel": 2.5}),
         ("the arrival 0.5 us (not 2)", {}, {"arr": 0.5}),
